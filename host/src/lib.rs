@@ -1,0 +1,10 @@
+//! Sluice: a change streamer with WebAssembly plugins.
+//!
+//! Data flows `source` -> `streamer` (the replication loop) -> `storer`
+//! (durable change log in `storage`) and, in later layers, to subscribers.
+//! Plugins sit at the edge in `plugin`.
+
+pub mod change;
+pub mod plugin;
+pub mod source;
+pub mod watermark;

@@ -1,0 +1,19 @@
+//! WebAssembly plugins: discovery, compilation, sandboxing.
+//!
+//! Every `*.wasm` file in the plugin directory is a component; its name is the
+//! file stem and its kind comes from the interfaces it exports. A file that
+//! fails to load is reported with the cause and skipped; the others load.
+
+pub mod bindings;
+mod cache;
+mod registry;
+mod sandbox;
+mod wasm_source;
+
+pub use registry::{PluginInfo, PluginKind, Registry};
+pub use sandbox::{Limits, NetGrant};
+pub use wasm_source::WasmSource;
+
+/// The WIT package version this host speaks.
+pub const WIT_PACKAGE: &str = "sluice:plugin";
+pub const WIT_VERSION: (u64, u64) = (0, 1);

@@ -1,0 +1,216 @@
+//! Loading the plugin directory.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use wasmtime::component::{Component, Linker};
+use wasmtime::Engine;
+
+use super::bindings::SourcePluginPre;
+use super::cache::CodeCache;
+use super::sandbox::{self, HostState, Limits, NetGrant};
+use super::wasm_source::WasmSource;
+use super::{WIT_PACKAGE, WIT_VERSION};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PluginKind {
+    Source,
+}
+
+impl std::fmt::Display for PluginKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PluginKind::Source => "source",
+        })
+    }
+}
+
+/// What `sluice plugins` shows for one file.
+#[derive(Debug, Clone)]
+pub struct PluginInfo {
+    pub name: String,
+    pub file: PathBuf,
+    pub kind: Option<PluginKind>,
+    /// The `sluice:plugin` version the plugin exports, e.g. "0.1.0".
+    pub wit_version: Option<String>,
+    /// Why the plugin could not be loaded.
+    pub error: Option<String>,
+    /// Whether the compiled code came from the cache.
+    pub cached: bool,
+}
+
+struct Loaded {
+    info: PluginInfo,
+    source: Option<SourcePluginPre<HostState>>,
+}
+
+pub struct Registry {
+    engine: Engine,
+    plugins: Vec<Loaded>,
+}
+
+impl Registry {
+    /// Loads every `*.wasm` in `dir`. A plugin that fails is recorded with its
+    /// error and logged; only an unreadable directory is an error here.
+    pub async fn load(dir: &Path, cache_dir: Option<PathBuf>) -> anyhow::Result<Registry> {
+        let engine = sandbox::engine()?;
+        let mut linker: Linker<HostState> = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let cache = CodeCache::new(cache_dir);
+
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .with_context(|| format!("reading plugin directory {}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "wasm"))
+            .collect();
+        files.sort();
+
+        let mut plugins = Vec::new();
+        for file in files {
+            let name = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let mut info = PluginInfo { name, file: file.clone(), kind: None, wit_version: None, error: None, cached: false };
+            let source = match load_one(&engine, &linker, &cache, &mut info).await {
+                Ok(pre) => Some(pre),
+                Err(e) => {
+                    tracing::error!("plugin {} ({}): {e}", info.name, info.file.display());
+                    info.error = Some(e);
+                    None
+                }
+            };
+            if let Some(kind) = info.kind.filter(|_| info.error.is_none()) {
+                tracing::info!(plugin = %info.name, %kind, cached = info.cached, "loaded plugin");
+            }
+            plugins.push(Loaded { info, source });
+        }
+        Ok(Registry { engine, plugins })
+    }
+
+    pub fn infos(&self) -> impl Iterator<Item = &PluginInfo> {
+        self.plugins.iter().map(|p| &p.info)
+    }
+
+    /// A source backed by the plugin called `name`.
+    pub fn source(&self, name: &str, config: String, limits: Limits, net: NetGrant) -> Result<WasmSource, String> {
+        let Some(p) = self.plugins.iter().find(|p| p.info.name == name) else {
+            let names: Vec<&str> = self
+                .plugins
+                .iter()
+                .filter(|p| p.info.kind == Some(PluginKind::Source) && p.info.error.is_none())
+                .map(|p| p.info.name.as_str())
+                .collect();
+            return Err(format!(
+                "unknown source {name:?}: the plugin directory has no {name}.wasm (sources available: {})",
+                if names.is_empty() { "none".to_string() } else { names.join(", ") }
+            ));
+        };
+        if let Some(err) = &p.info.error {
+            return Err(format!("source plugin {name} failed to load: {err}"));
+        }
+        let pre = p.source.clone().ok_or_else(|| format!("plugin {name} is not a source"))?;
+        Ok(WasmSource::new(self.engine.clone(), name.to_string(), pre, config, limits, net))
+    }
+}
+
+async fn load_one(
+    engine: &Engine,
+    linker: &Linker<HostState>,
+    cache: &CodeCache,
+    info: &mut PluginInfo,
+) -> Result<SourcePluginPre<HostState>, String> {
+    let bytes = std::fs::read(&info.file).map_err(|e| format!("cannot read the file: {e}"))?;
+    check_header(&bytes)?;
+    let engine2 = engine.clone();
+    let (component, cached) = { let cache = cache.clone(); tokio::task::spawn_blocking(move || cache.load_owned(&engine2, &bytes)) }
+        .await
+        .map_err(|e| format!("compiling: {e}"))?
+        .map_err(|e| format!("not a valid component: {e:#}"))?;
+    info.cached = cached;
+    let (kind, version) = classify(engine, &component)?;
+    info.kind = Some(kind);
+    info.wit_version = Some(version);
+    let pre = linker
+        .instantiate_pre(&component)
+        .map_err(|e| format!("cannot be linked (it imports something this host does not provide): {e}"))?;
+    let pre = SourcePluginPre::new(pre).map_err(|e| format!("does not match the source interface: {e}"))?;
+    // Structure is only checked at instantiation, so instantiate once now.
+    let mut store = sandbox::new_store(engine, &info.name, Limits::default(), &NetGrant::default());
+    pre.instantiate_async(&mut store)
+        .await
+        .map_err(|e| format!("trial instantiation failed: {e}"))?;
+    Ok(pre)
+}
+
+fn check_header(bytes: &[u8]) -> Result<(), String> {
+    if bytes.len() < 8 || &bytes[0..4] != b"\0asm" {
+        return Err("not a WebAssembly file".into());
+    }
+    match &bytes[4..8] {
+        [0x0d, 0x00, 0x01, 0x00] => Ok(()),
+        [0x01, 0x00, 0x00, 0x00] => {
+            Err("is a core WebAssembly module, not a component (build it for the wasm32-wasip2 target)".into())
+        }
+        other => Err(format!("unknown WebAssembly version/layer bytes {other:02x?}")),
+    }
+}
+
+/// Finds the Sluice interface the component exports and checks its version.
+fn classify(engine: &Engine, component: &Component) -> Result<(PluginKind, String), String> {
+    let mut found = Vec::new();
+    for (name, _) in component.component_type().exports(engine) {
+        let Some((iface, version)) = name.split_once('@') else { continue };
+        let Some((package, interface)) = iface.split_once('/') else { continue };
+        if package == WIT_PACKAGE {
+            found.push((interface.to_string(), version.to_string()));
+        }
+    }
+    if found.is_empty() {
+        return Err(format!("exports no {WIT_PACKAGE} interface (a source exports {WIT_PACKAGE}/source@0.1.x)"));
+    }
+    for (interface, version) in &found {
+        if !compatible(version) {
+            return Err(format!(
+                "speaks {WIT_PACKAGE}@{version}, but this host speaks {WIT_PACKAGE}@{}.{}.x",
+                WIT_VERSION.0, WIT_VERSION.1
+            ));
+        }
+        if interface == "source" {
+            return Ok((PluginKind::Source, version.clone()));
+        }
+    }
+    Err(format!(
+        "exports {} but no interface this host runs",
+        found.iter().map(|(i, v)| format!("{WIT_PACKAGE}/{i}@{v}")).collect::<Vec<_>>().join(", ")
+    ))
+}
+
+/// Semver compatibility as wasmtime applies it: 0.x matches on minor, >=1 on major.
+fn compatible(version: &str) -> bool {
+    let mut parts = version.split('.').map(|p| p.parse::<u64>().ok());
+    let (Some(Some(major)), Some(Some(minor))) = (parts.next(), parts.next()) else { return false };
+    if major == 0 {
+        (major, minor) == WIT_VERSION
+    } else {
+        major == WIT_VERSION.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions() {
+        assert!(compatible("0.1.0"));
+        assert!(compatible("0.1.7"));
+        assert!(!compatible("0.2.0"));
+        assert!(!compatible("1.0.0"));
+        assert!(!compatible("x"));
+    }
+
+    #[test]
+    fn headers() {
+        assert!(check_header(b"\0asm\x0d\x00\x01\x00rest").is_ok());
+        assert!(check_header(b"\0asm\x01\x00\x00\x00").unwrap_err().contains("core WebAssembly module"));
+        assert!(check_header(b"hello world").unwrap_err().contains("not a WebAssembly file"));
+    }
+}

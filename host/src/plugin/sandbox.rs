@@ -1,0 +1,228 @@
+//! The sandbox every plugin instance runs in: one wasmtime `Store` each, with
+//! a wall-clock deadline per call, a memory cap, only the WASI capabilities
+//! granted to that plugin, and its stderr sent to the host log.
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use wasmtime::component::ResourceTable;
+use wasmtime::{Config, Engine, Store, UpdateDeadline};
+use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
+use wasmtime_wasi::sockets::SocketAddrUse;
+use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+
+/// How often the epoch ticks; the deadline check runs at each tick.
+const EPOCH_TICK: Duration = Duration::from_millis(10);
+
+/// Resource limits for one plugin instance.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Longest a single call into the plugin may run (wall clock).
+    pub call_deadline: Duration,
+    /// Most linear memory the instance may grow to.
+    pub memory_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { call_deadline: Duration::from_secs(5), memory_bytes: 256 << 20 }
+    }
+}
+
+/// Network addresses a plugin may connect to. Empty: no network at all.
+#[derive(Debug, Clone, Default)]
+pub struct NetGrant {
+    pub connect: Vec<SocketAddr>,
+}
+
+/// Builds the engine shared by every plugin: epoch interruption for deadlines,
+/// and no component-model concurrency (the pull contract does not need it and
+/// it costs about a microsecond per call).
+pub fn engine() -> anyhow::Result<Engine> {
+    let mut config = Config::new();
+    config.epoch_interruption(true);
+    config.concurrency_support(false);
+    let engine = Engine::new(&config).map_err(|e| anyhow::anyhow!("creating the wasm engine: {e}"))?;
+    start_ticker(&engine);
+    Ok(engine)
+}
+
+fn start_ticker(engine: &Engine) {
+    // The ticker ends by itself once the engine is dropped.
+    let weak = engine.weak();
+    std::thread::Builder::new()
+        .name("wasm-epoch".into())
+        .spawn(move || loop {
+            std::thread::sleep(EPOCH_TICK);
+            match weak.upgrade() {
+                Some(engine) => engine.increment_epoch(),
+                None => return,
+            }
+        })
+        .expect("spawning the epoch ticker thread");
+}
+
+/// Per-Store data.
+pub struct HostState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    memory: MemoryCap,
+    /// When the current call must have returned.
+    deadline: Instant,
+}
+
+impl WasiView for HostState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+impl HostState {
+    /// Starts the clock for one call.
+    pub fn arm_deadline(&mut self, limit: Duration) {
+        self.deadline = Instant::now() + limit;
+    }
+
+    /// Whether the last failure was the memory cap (for a clearer message).
+    pub fn hit_memory_cap(&self) -> bool {
+        self.memory.hit
+    }
+}
+
+struct MemoryCap {
+    max: usize,
+    hit: bool,
+}
+
+impl wasmtime::ResourceLimiter for MemoryCap {
+    fn memory_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
+        if desired > self.max {
+            self.hit = true;
+            wasmtime::bail!("memory limit of {} MiB reached", self.max >> 20);
+        }
+        Ok(true)
+    }
+
+    fn table_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
+        Ok(desired <= 1_000_000)
+    }
+}
+
+/// A fresh Store for one instance of `plugin`.
+pub fn new_store(engine: &Engine, plugin: &str, limits: Limits, net: &NetGrant) -> Store<HostState> {
+    let mut wasi = WasiCtxBuilder::new();
+    wasi.stderr(LogPipe { plugin: plugin.into() });
+    if !net.connect.is_empty() {
+        let allowed: Arc<[SocketAddr]> = net.connect.clone().into();
+        wasi.allow_tcp(true).allow_ip_name_lookup(true).socket_addr_check(move |addr, use_| {
+            // A connect first binds to the wildcard address implicitly, so
+            // binds are allowed; only the destination is checked.
+            let ok = match use_ {
+                SocketAddrUse::TcpBind => true,
+                SocketAddrUse::TcpConnect => allowed.contains(&addr),
+                _ => false,
+            };
+            Box::pin(async move { ok })
+        });
+    }
+    let state = HostState {
+        wasi: wasi.build(),
+        table: ResourceTable::new(),
+        memory: MemoryCap { max: limits.memory_bytes, hit: false },
+        deadline: Instant::now() + limits.call_deadline,
+    };
+    let mut store = Store::new(engine, state);
+    store.limiter(|s| &mut s.memory);
+    store.set_epoch_deadline(1);
+    store.epoch_deadline_callback(|ctx| {
+        if Instant::now() >= ctx.data().deadline {
+            Ok(UpdateDeadline::Interrupt)
+        } else {
+            Ok(UpdateDeadline::Yield(1))
+        }
+    });
+    store
+}
+
+/// Guest stderr, line by line, into the host log tagged with the plugin name.
+struct LogPipe {
+    plugin: Arc<str>,
+}
+
+impl IsTerminal for LogPipe {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl StdoutStream for LogPipe {
+    fn async_stream(&self) -> Box<dyn tokio::io::AsyncWrite + Send + Sync> {
+        Box::new(LogWriter { plugin: self.plugin.clone(), line: Vec::new() })
+    }
+}
+
+struct LogWriter {
+    plugin: Arc<str>,
+    line: Vec<u8>,
+}
+
+impl LogWriter {
+    fn emit(&mut self) {
+        let text = String::from_utf8_lossy(&self.line);
+        let text = text.trim_end();
+        if !text.is_empty() {
+            tracing::warn!(plugin = %self.plugin, "plugin stderr: {text}");
+        }
+        self.line.clear();
+    }
+}
+
+impl tokio::io::AsyncWrite for LogWriter {
+    fn poll_write(mut self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        for &b in buf {
+            if b == b'\n' {
+                self.emit();
+            } else if self.line.len() < 16 << 10 {
+                self.line.push(b);
+            }
+        }
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.emit();
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for LogWriter {
+    fn drop(&mut self) {
+        self.emit();
+    }
+}
+
+/// A readable cause for a failed plugin call.
+pub fn describe_failure(err: &wasmtime::Error, state: &HostState, limits: Limits) -> String {
+    if state.hit_memory_cap() {
+        return format!("exceeded its memory limit of {} MiB", limits.memory_bytes >> 20);
+    }
+    if let Some(trap) = err.downcast_ref::<wasmtime::Trap>() {
+        return match trap {
+            wasmtime::Trap::Interrupt => {
+                format!("did not return within its call deadline of {} ms", limits.call_deadline.as_millis())
+            }
+            wasmtime::Trap::UnreachableCodeReached => "trapped (panicked; see its stderr above)".to_string(),
+            other => format!("trapped: {other}"),
+        };
+    }
+    let chain: Vec<String> = err.chain().map(|e| e.to_string()).collect();
+    format!("failed: {}", chain.join(": "))
+}

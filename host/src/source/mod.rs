@@ -1,0 +1,43 @@
+//! Change sources: where transactions come from.
+//!
+//! Every source, a WebAssembly plugin or a native one, implements
+//! [`ChangeSource`] and produces [`model::Message`]s (the types generated from
+//! `wit/sluice.wit`), so everything downstream is shared.
+
+use async_trait::async_trait;
+
+/// The change model from the WIT contract.
+pub use crate::plugin::bindings::sluice::plugin::types as model;
+
+/// Why a source call failed, and so what the replication loop does next.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// Retry: reopen from the last durable watermark after a back-off.
+    #[error("{0}")]
+    Transient(String),
+    /// Stop: the configuration or the source itself cannot go on.
+    #[error("{0}")]
+    Fatal(String),
+}
+
+#[async_trait]
+pub trait ChangeSource: Send {
+    /// A name for logs and status ("mock-source", "postgres").
+    fn name(&self) -> &str;
+
+    /// Opens a stream that continues after `resume_after`, or from the start of
+    /// the upstream's lineage when it is `None`.
+    async fn open(&mut self, resume_after: Option<&str>) -> Result<Box<dyn ChangeStream>, SourceError>;
+}
+
+#[async_trait]
+pub trait ChangeStream: Send {
+    /// The identity of the lineage this stream's watermarks belong to.
+    fn replica_version(&self) -> &str;
+
+    /// Up to `max` messages; empty means nothing right now.
+    async fn next_batch(&mut self, max: u32) -> Result<Vec<model::Message>, SourceError>;
+
+    /// Everything through `watermark` is durable downstream.
+    async fn ack(&mut self, watermark: &str) -> Result<(), SourceError>;
+}
