@@ -8,3 +8,7 @@ pub mod change;
 pub mod plugin;
 pub mod source;
 pub mod watermark;
+pub mod status;
+pub mod storage;
+pub mod storer;
+pub mod streamer;

@@ -1,0 +1,71 @@
+//! The durable change log: every stored transaction, row by row.
+//!
+//! [`ChangeLog`] is the seam between the storer and a database. SQLite is the
+//! embedded default; a Postgres change DB plugs in beside it. Calls are
+//! blocking: the storer runs them on a thread of its own.
+
+pub mod sqlite;
+
+/// One row of the `changeLog` table.
+#[derive(Debug, Clone, Copy)]
+pub struct LogRow<'a> {
+    /// The transaction's commit watermark (all rows of a transaction share it).
+    pub watermark: &'a str,
+    /// Position within the transaction, from 0 (the begin).
+    pub pos: i64,
+    pub tag: &'a str,
+    /// The inner JSON object of the change.
+    pub change: &'a str,
+    /// Set on the commit row only: the watermark its begin carried.
+    pub precommit: Option<&'a str>,
+}
+
+/// The lineage and resume point recorded in the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogState {
+    pub replica_version: String,
+    pub last_watermark: String,
+    pub reset_required: bool,
+}
+
+/// Earliest and latest watermarks a subscriber can catch up between.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bounds {
+    pub min_watermark: Option<String>,
+    pub last_watermark: String,
+}
+
+/// How much the writer may keep in one storage transaction. Fixed per
+/// backend so both behave alike.
+pub const BATCH_ROWS: usize = 256;
+
+pub trait ChangeLog: Send {
+    /// The recorded lineage, or `None` for a log that was never initialized.
+    fn state(&mut self) -> anyhow::Result<Option<LogState>>;
+
+    /// Empties the log and seeds it for `replica_version`: the two initial
+    /// rows (begin at pos 0, commit at pos 1) that make a subscriber at the
+    /// replica version servable, and `lastWatermark = replica_version`.
+    fn reset(&mut self, replica_version: &str) -> anyhow::Result<()>;
+
+    /// Records that the upstream asked for a reset (`control reset-required`).
+    fn mark_reset_required(&mut self) -> anyhow::Result<()>;
+
+    /// Records which host writes the log, and where subscribers reach it.
+    fn assume_ownership(&mut self, task_id: &str, address: &str) -> anyhow::Result<()>;
+
+    /// Opens a storage transaction.
+    fn begin(&mut self) -> anyhow::Result<()>;
+    /// Marks a point inside the storage transaction to roll back to.
+    fn savepoint(&mut self) -> anyhow::Result<()>;
+    fn release_savepoint(&mut self) -> anyhow::Result<()>;
+    fn rollback_to_savepoint(&mut self) -> anyhow::Result<()>;
+    /// Inserts rows (in batches, not one statement per row).
+    fn append(&mut self, rows: &[LogRow<'_>]) -> anyhow::Result<()>;
+    /// Sets `lastWatermark` and commits; durable when it returns.
+    fn commit(&mut self, last_watermark: &str) -> anyhow::Result<()>;
+    /// Abandons the storage transaction.
+    fn rollback(&mut self) -> anyhow::Result<()>;
+
+    fn bounds(&mut self) -> anyhow::Result<Bounds>;
+}

@@ -1,0 +1,395 @@
+//! The storer: the single writer of the change log.
+//!
+//! It runs on a thread of its own (storage calls block) and takes commands
+//! from the replication loop in stream order. Complete upstream transactions
+//! that queue up while a storage commit is in flight are written together in
+//! the next storage transaction (group commit), each inside a savepoint so it
+//! stays atomic; a lone transaction is committed at once. After each storage
+//! commit the storer reports the last durable commit watermark, which is what
+//! the replication loop acks upstream.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::sync::{mpsc, Notify};
+
+use crate::change::{Change, Kind};
+use crate::status::Status;
+use crate::storage::{ChangeLog, LogRow};
+
+/// Tuning of the storer.
+#[derive(Debug, Clone, Copy)]
+pub struct StorerOptions {
+    /// Bytes that may wait in the queue before the loop stops pulling from
+    /// the source.
+    pub queue_budget: usize,
+    /// Rows buffered before they are inserted.
+    pub batch_rows: usize,
+    /// Upper bounds for one storage transaction made of several upstream ones.
+    pub group_bytes: usize,
+    pub group_transactions: usize,
+}
+
+impl Default for StorerOptions {
+    fn default() -> Self {
+        StorerOptions { queue_budget: 32 << 20, batch_rows: 2000, group_bytes: 8 << 20, group_transactions: 1000 }
+    }
+}
+
+enum Command {
+    Change { watermark: Arc<str>, change: Change },
+    /// The stream ended inside a transaction: drop what was written of it.
+    Abort,
+    MarkResetRequired,
+}
+
+/// Bytes queued between the loop and the storer, with a gate for the loop.
+struct Budget {
+    queued: AtomicUsize,
+    limit: usize,
+    drained: Notify,
+}
+
+impl Budget {
+    fn release(&self, n: usize) {
+        let before = self.queued.fetch_sub(n, Ordering::AcqRel);
+        let after = before - n;
+        if before > self.low_water() && after <= self.low_water() || after == 0 {
+            self.drained.notify_waiters();
+        }
+    }
+
+    fn low_water(&self) -> usize {
+        self.limit / 10 * 8
+    }
+}
+
+/// The loop's handle on a running storer.
+pub struct Storer {
+    commands: mpsc::UnboundedSender<Command>,
+    budget: Arc<Budget>,
+    thread: tokio::task::JoinHandle<StorerExit>,
+    exited: Arc<Exited>,
+}
+
+/// Set by the thread as it ends, so the loop can notice an early exit.
+#[derive(Default)]
+struct Exited {
+    flag: std::sync::atomic::AtomicBool,
+    notify: Notify,
+}
+
+/// What the storer thread hands back: the log (for the next run) and why it ended.
+pub struct StorerExit {
+    pub log: Box<dyn ChangeLog>,
+    pub result: anyhow::Result<()>,
+}
+
+impl Storer {
+    /// Starts a storer over `log`. Durable commit watermarks are sent to `durable`.
+    pub fn start(
+        log: Box<dyn ChangeLog>,
+        options: StorerOptions,
+        durable: mpsc::UnboundedSender<Arc<str>>,
+        status: Arc<Status>,
+    ) -> Storer {
+        let (commands, rx) = mpsc::unbounded_channel();
+        let budget = Arc::new(Budget { queued: AtomicUsize::new(0), limit: options.queue_budget, drained: Notify::new() });
+        let worker_budget = budget.clone();
+        let exited = Arc::new(Exited::default());
+        let worker_exited = exited.clone();
+        let thread = tokio::task::spawn_blocking(move || {
+            let mut worker = Worker::new(log, options, durable, status, worker_budget);
+            let result = worker.run(rx);
+            if result.is_err() {
+                if let Err(e) = worker.log.rollback() {
+                    tracing::warn!("rolling back the change log after an error: {e:#}");
+                }
+            }
+            if let Err(e) = &result {
+                tracing::error!("change log write failed: {e:#}");
+            }
+            worker_exited.flag.store(true, Ordering::Release);
+            worker_exited.notify.notify_waiters();
+            worker.budget.drained.notify_waiters();
+            StorerExit { log: worker.log, result }
+        });
+        Storer { commands, budget, thread, exited }
+    }
+
+    /// Queues a change of the transaction at `watermark`. Never blocks.
+    pub fn store(&self, watermark: &Arc<str>, change: &Change) {
+        self.budget.queued.fetch_add(change.json.len(), Ordering::AcqRel);
+        // A send fails only once the thread has exited; `finished` reports why.
+        let _ = self.commands.send(Command::Change { watermark: watermark.clone(), change: change.clone() });
+    }
+
+    pub fn abort(&self) {
+        let _ = self.commands.send(Command::Abort);
+    }
+
+    /// Resolves once the queue is below its budget (immediately if it is).
+    pub async fn ready_for_more(&self) {
+        loop {
+            let drained = self.budget.drained.notified();
+            if self.budget.queued.load(Ordering::Acquire) <= self.budget.limit
+                || self.exited.flag.load(Ordering::Acquire)
+            {
+                return;
+            }
+            drained.await;
+        }
+    }
+
+    pub fn queued_bytes(&self) -> usize {
+        self.budget.queued.load(Ordering::Acquire)
+    }
+
+    /// Resolves when the thread has exited on its own (after a storage error).
+    pub async fn finished(&self) {
+        loop {
+            let notified = self.exited.notify.notified();
+            if self.exited.flag.load(Ordering::Acquire) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Records that the upstream asked for a reset, in stream order.
+    pub fn mark_reset_required(&self) {
+        let _ = self.commands.send(Command::MarkResetRequired);
+    }
+
+    /// Lets the storer write what is queued, then returns the log. Fails with
+    /// a drain timeout when storage does not keep up.
+    pub async fn stop(self, drain_timeout: Duration) -> anyhow::Result<StorerExit> {
+        drop(self.commands);
+        match tokio::time::timeout(drain_timeout, self.thread).await {
+            Ok(exit) => exit.context("storer thread panicked"),
+            Err(_) => anyhow::bail!("change log did not drain within {} ms", drain_timeout.as_millis()),
+        }
+    }
+}
+
+/// A row waiting to be inserted. Holds the shared change, so no copy is made.
+struct PendingRow {
+    watermark: Arc<str>,
+    pos: i64,
+    change: Change,
+    precommit: Option<Arc<str>>,
+}
+
+struct Worker {
+    log: Box<dyn ChangeLog>,
+    options: StorerOptions,
+    durable: mpsc::UnboundedSender<Arc<str>>,
+    status: Arc<Status>,
+    budget: Arc<Budget>,
+    /// A storage transaction is open.
+    storage_open: bool,
+    /// Upstream transactions committed inside the open storage transaction.
+    group_transactions: usize,
+    group_changes: u64,
+    group_bytes: usize,
+    group_last_commit: Option<Arc<str>>,
+    /// The upstream transaction being written: its watermark, next pos,
+    /// whether it sits in a savepoint.
+    current: Option<(Arc<str>, i64, bool)>,
+    rows: Vec<PendingRow>,
+    rows_bytes: usize,
+}
+
+impl Worker {
+    fn new(
+        log: Box<dyn ChangeLog>,
+        options: StorerOptions,
+        durable: mpsc::UnboundedSender<Arc<str>>,
+        status: Arc<Status>,
+        budget: Arc<Budget>,
+    ) -> Self {
+        Worker {
+            log,
+            options,
+            durable,
+            status,
+            budget,
+            storage_open: false,
+            group_transactions: 0,
+            group_changes: 0,
+            group_bytes: 0,
+            group_last_commit: None,
+            current: None,
+            rows: Vec::new(),
+            rows_bytes: 0,
+        }
+    }
+
+    fn run(&mut self, mut rx: mpsc::UnboundedReceiver<Command>) -> anyhow::Result<()> {
+        loop {
+            // Between upstream transactions, commit as soon as nothing else is
+            // waiting: that is what keeps a quiet stream's latency low.
+            let cmd = if self.storage_open && self.current.is_none() {
+                match rx.try_recv() {
+                    Ok(cmd) => cmd,
+                    Err(mpsc::error::TryRecvError::Empty) => {
+                        self.commit_group()?;
+                        continue;
+                    }
+                    Err(mpsc::error::TryRecvError::Disconnected) => break,
+                }
+            } else {
+                match rx.blocking_recv() {
+                    Some(cmd) => cmd,
+                    None => break,
+                }
+            };
+            match cmd {
+                Command::Change { watermark, change } => {
+                    let bytes = change.json.len();
+                    let result = self.apply(watermark, change);
+                    self.budget.release(bytes);
+                    result?;
+                }
+                Command::Abort => self.abort_current()?,
+                Command::MarkResetRequired => {
+                    if self.storage_open && self.current.is_none() {
+                        self.commit_group()?;
+                    }
+                    self.log.mark_reset_required()?;
+                }
+            }
+        }
+        // The loop stopped: keep the complete transactions, drop a partial one.
+        self.abort_current()?;
+        if self.storage_open {
+            self.commit_group()?;
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, watermark: Arc<str>, change: Change) -> anyhow::Result<()> {
+        match change.kind {
+            Kind::Begin => {
+                anyhow::ensure!(self.current.is_none(), "begin {watermark} while a transaction is open");
+                let savepoint = if self.storage_open {
+                    self.log.savepoint()?;
+                    true
+                } else {
+                    self.log.begin()?;
+                    self.storage_open = true;
+                    false
+                };
+                self.current = Some((watermark.clone(), 1, savepoint));
+                self.push_row(PendingRow { watermark, pos: 0, change, precommit: None });
+            }
+            Kind::Data => {
+                let Some((tx_watermark, pos, _)) = self.current.as_mut() else {
+                    anyhow::bail!("{} change outside a transaction", change.tag);
+                };
+                let row = PendingRow { watermark: tx_watermark.clone(), pos: *pos, change, precommit: None };
+                *pos += 1;
+                self.push_row(row);
+                if self.rows.len() >= self.options.batch_rows || self.rows_bytes >= self.options.group_bytes {
+                    self.flush_rows()?;
+                }
+            }
+            Kind::Commit => {
+                let Some((tx_watermark, pos, savepoint)) = self.current.take() else {
+                    anyhow::bail!("commit {watermark} outside a transaction");
+                };
+                self.push_row(PendingRow { watermark: watermark.clone(), pos, change, precommit: Some(tx_watermark) });
+                self.flush_rows()?;
+                if savepoint {
+                    self.log.release_savepoint()?;
+                }
+                self.group_transactions += 1;
+                // Positions run begin = 0, data 1..pos-1, commit = pos.
+                self.group_changes += (pos - 1) as u64;
+                self.group_last_commit = Some(watermark);
+                if self.group_transactions >= self.options.group_transactions
+                    || self.group_bytes >= self.options.group_bytes
+                {
+                    self.commit_group()?;
+                }
+            }
+            Kind::Rollback => self.abort_current()?,
+        }
+        Ok(())
+    }
+
+    fn push_row(&mut self, row: PendingRow) {
+        self.rows_bytes += row.change.stored().len();
+        self.group_bytes += row.change.stored().len();
+        self.rows.push(row);
+    }
+
+    fn flush_rows(&mut self) -> anyhow::Result<()> {
+        if self.rows.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<LogRow<'_>> = self
+            .rows
+            .iter()
+            .map(|r| LogRow {
+                watermark: &r.watermark,
+                pos: r.pos,
+                tag: r.change.tag,
+                change: r.change.stored(),
+                precommit: r.precommit.as_deref(),
+            })
+            .collect();
+        self.log.append(&rows)?;
+        self.rows.clear();
+        self.rows_bytes = 0;
+        Ok(())
+    }
+
+    /// Drops the upstream transaction being written, if any.
+    fn abort_current(&mut self) -> anyhow::Result<()> {
+        let Some((_, _, savepoint)) = self.current.take() else { return Ok(()) };
+        self.rows.clear();
+        self.rows_bytes = 0;
+        if savepoint {
+            self.log.rollback_to_savepoint()?;
+        } else {
+            // It was the only thing in the storage transaction.
+            self.log.rollback()?;
+            self.storage_open = false;
+            self.reset_group();
+        }
+        Ok(())
+    }
+
+    fn reset_group(&mut self) {
+        self.group_transactions = 0;
+        self.group_changes = 0;
+        self.group_bytes = 0;
+        self.group_last_commit = None;
+    }
+
+    /// Makes every upstream transaction in the open storage transaction durable.
+    fn commit_group(&mut self) -> anyhow::Result<()> {
+        debug_assert!(self.current.is_none());
+        let Some(last) = self.group_last_commit.clone() else {
+            if self.storage_open {
+                self.log.rollback()?;
+                self.storage_open = false;
+            }
+            return Ok(());
+        };
+        self.log.commit(&last).with_context(|| format!("committing the change log through {last}"))?;
+        self.storage_open = false;
+        let (txs, changes) = (self.group_transactions as u64, self.group_changes);
+        self.reset_group();
+        self.status.update(|s| {
+            s.last_watermark = Some(last.to_string());
+            s.transactions += txs;
+            s.changes += changes;
+        });
+        let _ = self.durable.send(last);
+        Ok(())
+    }
+}

@@ -1,0 +1,449 @@
+//! The replication loop: source -> storer (and forwarder), with Zero's rules.
+//!
+//! One pass of the loop opens the source after the log's durable watermark,
+//! checks the lineage, starts a storer and pulls batches until something
+//! fails. Failures are sorted into "retry" (back off 25 ms doubling to 10 s and
+//! reopen from the durable watermark) and "fatal" (stop with the message).
+
+pub mod acker;
+pub mod backoff;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+
+use crate::change::{Encoder, Event, Kind};
+use crate::source::model::{Control, Message};
+use crate::source::{ChangeSource, ChangeStream, SourceError};
+use crate::status::{SourceState, Status};
+use crate::storage::ChangeLog;
+use crate::storer::{Storer, StorerOptions};
+use acker::UpstreamAcker;
+use backoff::Backoff;
+
+#[derive(Debug, Clone)]
+pub struct StreamerOptions {
+    /// Messages asked of the source per call.
+    pub batch_max: u32,
+    pub storer: StorerOptions,
+    /// How long the storer may take to write what is queued when a stream ends.
+    pub drain_timeout: Duration,
+    /// On `control reset-required`, wipe the log and start a new lineage
+    /// instead of only reporting it.
+    pub auto_reset: bool,
+    pub task_id: String,
+    /// Where subscribers reach this host (recorded as the log's owner address).
+    pub advertise: String,
+}
+
+impl Default for StreamerOptions {
+    fn default() -> Self {
+        StreamerOptions {
+            batch_max: 512,
+            storer: StorerOptions::default(),
+            drain_timeout: Duration::from_secs(30),
+            auto_reset: false,
+            task_id: "sluice".into(),
+            advertise: "127.0.0.1:4849".into(),
+        }
+    }
+}
+
+/// Why one pass of the loop ended.
+#[derive(Debug)]
+enum PassEnd {
+    /// Shutdown was requested.
+    Shutdown,
+    /// Reopen at once (a new lineage or an auto-reset), no back-off.
+    Restart,
+    /// Back off, then reopen from the durable watermark.
+    Retry(String),
+    /// Stop for good.
+    Fatal(String),
+}
+
+impl From<SourceError> for PassEnd {
+    fn from(e: SourceError) -> Self {
+        match e {
+            SourceError::Transient(m) => PassEnd::Retry(m),
+            SourceError::Fatal(m) => PassEnd::Fatal(m),
+        }
+    }
+}
+
+pub struct Streamer {
+    source: Box<dyn ChangeSource>,
+    log: Option<Box<dyn ChangeLog>>,
+    options: StreamerOptions,
+    status: Arc<Status>,
+    acker: UpstreamAcker,
+    /// The next open ignores the log's position (the lineage was reset).
+    open_fresh: bool,
+}
+
+impl Streamer {
+    pub fn new(
+        source: Box<dyn ChangeSource>,
+        log: Box<dyn ChangeLog>,
+        options: StreamerOptions,
+        status: Arc<Status>,
+    ) -> Self {
+        status.update(|s| s.source_name = source.name().to_string());
+        Streamer { source, log: Some(log), options, status, acker: UpstreamAcker::default(), open_fresh: false }
+    }
+
+    /// Runs until shutdown (Ok) or a fatal error (Err, with the reason).
+    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) -> anyhow::Result<()> {
+        let mut backoff = Backoff::default();
+        loop {
+            if *shutdown.borrow() {
+                self.status.update(|s| s.source = SourceState::Stopped { error: None });
+                return Ok(());
+            }
+            let (end, progressed) = self.pass(&mut shutdown).await;
+            if progressed {
+                backoff.reset();
+            }
+            match end {
+                PassEnd::Shutdown => {
+                    self.status.update(|s| s.source = SourceState::Stopped { error: None });
+                    return Ok(());
+                }
+                PassEnd::Restart => continue,
+                PassEnd::Fatal(msg) => {
+                    tracing::error!("replication stopped: {msg}");
+                    self.status.update(|s| s.source = SourceState::Stopped { error: Some(msg.clone()) });
+                    anyhow::bail!(msg);
+                }
+                PassEnd::Retry(msg) => {
+                    let delay = backoff.next_delay();
+                    let line = format!("{msg}; retrying in {} ms", delay.as_millis());
+                    if delay < Duration::from_secs(1) {
+                        tracing::info!("{line}");
+                    } else if delay < Duration::from_millis(6500) {
+                        tracing::warn!("{line}");
+                    } else {
+                        tracing::error!("{line}");
+                    }
+                    self.status.update(|s| {
+                        s.source = SourceState::BackingOff { last_error: msg, retry_in_ms: delay.as_millis() as u64 }
+                    });
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = shutdown.changed() => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs blocking change-log work without stalling the runtime's other tasks.
+    fn with_log<R>(&mut self, f: impl FnOnce(&mut dyn ChangeLog) -> anyhow::Result<R>) -> Result<R, PassEnd> {
+        let log = self.log.as_mut().expect("the change log is home between passes");
+        tokio::task::block_in_place(|| f(log.as_mut())).map_err(|e| PassEnd::Retry(format!("change log: {e:#}")))
+    }
+
+    /// Opens the source and settles the lineage. Returns the stream and the
+    /// watermark it continues after.
+    async fn open(&mut self) -> Result<(Box<dyn ChangeStream>, String), PassEnd> {
+        let state = self.with_log(|log| log.state())?;
+        let reset_requested = state.as_ref().is_some_and(|s| s.reset_required) && self.options.auto_reset;
+        let resume = match &state {
+            Some(s) if !self.open_fresh && !reset_requested => Some(s.last_watermark.clone()),
+            _ => None,
+        };
+        let stream = self.source.open(resume.as_deref()).await?;
+        let rv = stream.replica_version().to_string();
+        let logged_rv = state.as_ref().map(|s| s.replica_version.as_str());
+        match state.as_ref() {
+            None => {
+                tracing::info!(replica_version = %rv, "initializing the change log");
+                self.with_log(|log| log.reset(&rv))?;
+            }
+            Some(s) if s.replica_version != rv || reset_requested => {
+                if reset_requested {
+                    tracing::warn!(replica_version = %rv, "auto-reset: wiping the change log for a new lineage");
+                } else {
+                    tracing::warn!(
+                        "the source reports replica version {rv} but the change log holds {}: resetting the change log",
+                        s.replica_version
+                    );
+                }
+                self.with_log(|log| log.reset(&rv))?;
+                if resume.is_some() {
+                    // The stream was positioned in the old lineage; start over.
+                    self.open_fresh = true;
+                    return Err(PassEnd::Restart);
+                }
+            }
+            Some(s) if s.reset_required => {
+                tracing::error!(
+                    "the upstream required a reset of replica version {} (restart with --auto-reset to rebuild the change log)",
+                    s.replica_version
+                );
+            }
+            Some(_) => {}
+        }
+        self.open_fresh = false;
+        let (task, addr) = (self.options.task_id.clone(), self.options.advertise.clone());
+        self.with_log(|log| log.assume_ownership(&task, &addr))?;
+        let bounds = self.with_log(|log| log.bounds())?;
+        let after = resume.unwrap_or_else(|| rv.clone());
+        tracing::info!(
+            source = self.source.name(),
+            replica_version = %rv,
+            resume_after = %after,
+            was = logged_rv.unwrap_or("-"),
+            "replicating"
+        );
+        self.status.update(|s| {
+            s.replica_version = Some(rv.clone());
+            s.last_watermark = Some(bounds.last_watermark.clone());
+            s.min_watermark = bounds.min_watermark.clone();
+            s.source = SourceState::Running;
+        });
+        Ok((stream, after))
+    }
+
+    /// One stream, from open to failure. Returns why it ended and whether a
+    /// transaction was stored (progress resets the back-off).
+    async fn pass(&mut self, shutdown: &mut watch::Receiver<bool>) -> (PassEnd, bool) {
+        let (mut stream, resume_after) = match self.open().await {
+            Ok(s) => s,
+            Err(end) => return (end, false),
+        };
+        let (durable_tx, mut durable_rx) = mpsc::unbounded_channel();
+        let log = self.log.take().expect("the change log is home between passes");
+        let storer = Storer::start(log, self.options.storer, durable_tx, self.status.clone());
+        self.acker.reset();
+        let mut state = StreamState::new(resume_after);
+
+        let end = self.pump(stream.as_mut(), &storer, &mut durable_rx, &mut state, shutdown).await;
+
+        if let Some(w) = &state.tx {
+            tracing::warn!("aborting interrupted transaction {w}");
+            storer.abort();
+        }
+        drop(stream);
+        let end = match storer.stop(self.options.drain_timeout).await {
+            Ok(exit) => {
+                self.log = Some(exit.log);
+                match exit.result {
+                    Err(e) if !matches!(end, PassEnd::Fatal(_)) => PassEnd::Retry(format!("change log: {e:#}")),
+                    _ => end,
+                }
+            }
+            // The storer still holds the log and may never give it back.
+            Err(e) => return (PassEnd::Fatal(format!("{e:#}")), state.stored_any),
+        };
+        while let Ok(w) = durable_rx.try_recv() {
+            self.acker.on_durable(&w);
+            state.stored_any = true;
+        }
+        (end, state.stored_any)
+    }
+
+    async fn pump(
+        &mut self,
+        stream: &mut dyn ChangeStream,
+        storer: &Storer,
+        durable_rx: &mut mpsc::UnboundedReceiver<Arc<str>>,
+        state: &mut StreamState,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> PassEnd {
+        let mut encoder = Encoder::default();
+        let mut acks: Vec<String> = Vec::new();
+        let mut idle = Duration::from_millis(1);
+        loop {
+            while let Ok(w) = durable_rx.try_recv() {
+                state.stored_any = true;
+                acks.extend(self.acker.on_durable(&w));
+            }
+            for w in acks.drain(..) {
+                if let Err(e) = stream.ack(&w).await {
+                    return e.into();
+                }
+            }
+            let batch = tokio::select! {
+                biased;
+                _ = shutdown.changed() => return PassEnd::Shutdown,
+                _ = storer.finished() => return PassEnd::Retry("the change log writer stopped".into()),
+                batch = stream.next_batch(self.options.batch_max) => batch,
+            };
+            let batch = match batch {
+                Ok(b) => b,
+                Err(e) => return e.into(),
+            };
+            if batch.is_empty() {
+                // Nothing now: wait a little (longer while it stays quiet), but
+                // wake for durable commits so acks are not held back.
+                tokio::select! {
+                    _ = tokio::time::sleep(idle) => {}
+                    Some(w) = durable_rx.recv() => {
+                        state.stored_any = true;
+                        acks.extend(self.acker.on_durable(&w));
+                    }
+                    _ = shutdown.changed() => return PassEnd::Shutdown,
+                }
+                idle = (idle * 2).min(Duration::from_millis(20));
+                continue;
+            }
+            idle = Duration::from_millis(1);
+            for msg in batch {
+                if let Err(end) = self.process(msg, &mut encoder, storer, state, &mut acks) {
+                    return end;
+                }
+            }
+            if storer.queued_bytes() > self.options.storer.queue_budget {
+                tokio::select! {
+                    _ = storer.ready_for_more() => {}
+                    _ = storer.finished() => return PassEnd::Retry("the change log writer stopped".into()),
+                    _ = shutdown.changed() => return PassEnd::Shutdown,
+                }
+            }
+        }
+    }
+
+    /// Applies Zero's stream rules to one message and hands it on.
+    fn process(
+        &mut self,
+        msg: Message,
+        encoder: &mut Encoder,
+        storer: &Storer,
+        state: &mut StreamState,
+        acks: &mut Vec<String>,
+    ) -> Result<(), PassEnd> {
+        let watermark = match &msg {
+            Message::Begin(b) => Some(b.commit_watermark.clone()),
+            Message::Commit(c) => Some(c.watermark.clone()),
+            _ => None,
+        };
+        let event = encoder.encode(msg).map_err(|e| PassEnd::Retry(e.to_string()))?;
+        let change = match event {
+            Event::Declared => return Ok(()),
+            Event::Status { watermark, ack } => {
+                if watermark < state.last_status {
+                    return Err(PassEnd::Fatal(format!(
+                        "status watermark {watermark} is before the previous status {}",
+                        state.last_status
+                    )));
+                }
+                state.last_status = watermark.clone();
+                if ack {
+                    acks.extend(self.acker.on_status(&watermark));
+                }
+                return Ok(());
+            }
+            Event::Control(Control::ResetRequired(message)) => {
+                let why = message.unwrap_or_else(|| "no reason given".into());
+                tracing::error!("the upstream requires a reset: {why}");
+                storer.mark_reset_required();
+                self.status.update(|s| s.reset_required = true);
+                if self.options.auto_reset {
+                    return Err(PassEnd::Restart);
+                }
+                return Ok(());
+            }
+            Event::Change(c) => c,
+        };
+        match change.kind {
+            Kind::Begin => {
+                let w = watermark.unwrap_or_default();
+                if let Some(open) = &state.tx {
+                    return Err(PassEnd::Fatal(format!("begin {w} received inside transaction {open}")));
+                }
+                if w <= state.last_commit {
+                    if state.commits == 0 && state.skipping.is_none() {
+                        // A source replaying what the log already has: skip it.
+                        tracing::warn!("skipping transaction {w}: the change log already holds it");
+                        state.skipping = Some(w);
+                        return Ok(());
+                    }
+                    return Err(PassEnd::Fatal(format!(
+                        "commit watermarks must grow: transaction {w} follows {}",
+                        state.last_commit
+                    )));
+                }
+                state.skipping = None;
+                state.tx = Some(Arc::from(w));
+            }
+            Kind::Data | Kind::Rollback | Kind::Commit if state.skipping.is_some() => {
+                if change.kind == Kind::Commit {
+                    let w = watermark.unwrap_or_default();
+                    if Some(&w) != state.skipping.as_ref() {
+                        return Err(PassEnd::Fatal(format!(
+                            "commit watermark {w} does not match 'begin' watermark {}",
+                            state.skipping.as_deref().unwrap_or_default()
+                        )));
+                    }
+                    acks.extend(self.acker.on_commit(&w));
+                }
+                if change.kind != Kind::Data {
+                    state.skipping = None;
+                }
+                return Ok(());
+            }
+            Kind::Data | Kind::Rollback if state.tx.is_none() => {
+                return Err(PassEnd::Fatal(format!(
+                    "{} change ({}) received before 'begin' message",
+                    if change.kind == Kind::Data { "data" } else { "rollback" },
+                    change.tag
+                )));
+            }
+            Kind::Commit => {
+                let w = watermark.unwrap_or_default();
+                match &state.tx {
+                    None => {
+                        return Err(PassEnd::Fatal(format!("commit change {w} received before 'begin' message")));
+                    }
+                    Some(open) if **open != *w => {
+                        return Err(PassEnd::Fatal(format!(
+                            "commit watermark {w} does not match 'begin' watermark {open}"
+                        )));
+                    }
+                    Some(_) => {}
+                }
+            }
+            Kind::Data | Kind::Rollback => {}
+        }
+        let tx = state.tx.clone().expect("checked above: a transaction is open");
+        storer.store(&tx, &change);
+        match change.kind {
+            Kind::Commit => {
+                state.last_commit = tx.to_string();
+                state.commits += 1;
+                state.tx = None;
+                acks.extend(self.acker.on_commit(&tx));
+            }
+            Kind::Rollback => state.tx = None,
+            Kind::Begin | Kind::Data => {}
+        }
+        Ok(())
+    }
+}
+
+/// What the loop tracks about the stream it is reading.
+struct StreamState {
+    /// The open transaction's commit watermark.
+    tx: Option<Arc<str>>,
+    last_commit: String,
+    last_status: String,
+    commits: u64,
+    /// A replayed transaction being skipped.
+    skipping: Option<String>,
+    stored_any: bool,
+}
+
+impl StreamState {
+    fn new(resume_after: String) -> Self {
+        StreamState {
+            tx: None,
+            last_commit: resume_after,
+            last_status: String::new(),
+            commits: 0,
+            skipping: None,
+            stored_any: false,
+        }
+    }
+}
