@@ -5,10 +5,11 @@
 //! Plugins sit at the edge in `plugin`.
 
 pub mod change;
+pub mod http;
 pub mod plugin;
 pub mod source;
-pub mod watermark;
 pub mod status;
 pub mod storage;
 pub mod storer;
 pub mod streamer;
+pub mod watermark;

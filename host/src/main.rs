@@ -1,1 +1,261 @@
-fn main() {}
+//! The `sluice` command line.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tokio::sync::watch;
+
+use sluice::plugin::{Limits, NetGrant, Registry};
+use sluice::status::Status;
+use sluice::storage::sqlite::{Durability, SqliteChangeLog};
+use sluice::storer::StorerOptions;
+use sluice::streamer::{Streamer, StreamerOptions};
+
+#[derive(Parser)]
+#[command(
+    name = "sluice",
+    version,
+    about = "A pluggable change streamer that speaks Zero's change-streamer protocol"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Replicate from a source into the change log and serve subscribers.
+    Run(Box<RunArgs>),
+    /// List the plugins in a directory and whether they load.
+    Plugins {
+        #[arg(long, default_value = "target/plugins")]
+        plugins: PathBuf,
+        #[arg(long)]
+        cache_dir: Option<PathBuf>,
+    },
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Directory of plugin components (`*.wasm`).
+    #[arg(long, default_value = "target/plugins")]
+    plugins: PathBuf,
+    /// The source: the name of a source plugin (its file stem).
+    #[arg(long)]
+    source: String,
+    /// The source's configuration: JSON text, or @FILE to read it from a file.
+    #[arg(long, default_value = "{}")]
+    source_config: String,
+    /// Where the change log lives: `sqlite:PATH` (default) or a path.
+    #[arg(long, default_value = "sqlite:sluice-data/changelog.db")]
+    change_db: String,
+    /// Address for the HTTP/WebSocket endpoint.
+    #[arg(long, default_value = "127.0.0.1:4849")]
+    listen: String,
+    /// This host's identity as the change log's owner.
+    #[arg(long, default_value = "sluice")]
+    task_id: String,
+    /// The address subscribers should dial (defaults to the listen address).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// On `reset-required` from the upstream, wipe the change log and start a
+    /// new lineage instead of only reporting it.
+    #[arg(long)]
+    auto_reset: bool,
+    /// SQLite durability: `full` (default; commits survive power loss) or
+    /// `normal` (commits survive a crash of Sluice, not of the machine).
+    #[arg(long, default_value = "full")]
+    sync: String,
+    /// Longest one call into a plugin may run, in milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    plugin_deadline_ms: u64,
+    /// Memory cap of one plugin instance, in MiB.
+    #[arg(long, default_value_t = 256)]
+    plugin_memory_mb: usize,
+    /// Let the source plugin connect to HOST:PORT (repeatable). Without it
+    /// the plugin has no network access.
+    #[arg(long = "allow-net")]
+    allow_net: Vec<String>,
+    /// Compiled-plugin cache directory (default: `.cache` inside the data directory).
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// Bytes of changes that may wait for storage before the source is paused, in MiB.
+    #[arg(long, default_value_t = 32)]
+    queue_budget_mb: usize,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("info,wasmtime=warn,cranelift=warn")
+            }),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Run(args) => run(*args).await,
+            Command::Plugins { plugins, cache_dir } => list_plugins(plugins, cache_dir).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn sqlite_path(change_db: &str) -> anyhow::Result<PathBuf> {
+    if change_db.starts_with("postgres://") || change_db.starts_with("postgresql://") {
+        anyhow::bail!("--change-db {change_db}: a Postgres change DB is not supported by this build yet; use sqlite:PATH");
+    }
+    let path = change_db.strip_prefix("sqlite:").unwrap_or(change_db);
+    anyhow::ensure!(!path.is_empty(), "--change-db sqlite: needs a file path");
+    Ok(PathBuf::from(path))
+}
+
+fn read_source_config(arg: &str) -> anyhow::Result<String> {
+    let text = match arg.strip_prefix('@') {
+        Some(file) => std::fs::read_to_string(file)
+            .with_context(|| format!("reading --source-config file {file}"))?,
+        None => arg.to_string(),
+    };
+    serde_json::from_str::<serde_json::Value>(&text)
+        .with_context(|| "--source-config is not valid JSON")?;
+    Ok(text)
+}
+
+fn resolve_net(allow: &[String]) -> anyhow::Result<NetGrant> {
+    use std::net::ToSocketAddrs;
+    let mut connect = Vec::new();
+    for a in allow {
+        let addrs = a
+            .to_socket_addrs()
+            .with_context(|| format!("--allow-net {a}: not a HOST:PORT that resolves"))?;
+        connect.extend(addrs);
+    }
+    Ok(NetGrant { connect })
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let config = read_source_config(&args.source_config)?;
+    let log_path = sqlite_path(&args.change_db)?;
+    let durability = match args.sync.as_str() {
+        "full" => Durability::Full,
+        "normal" => Durability::Normal,
+        other => anyhow::bail!("--sync {other}: expected full or normal"),
+    };
+    let net = resolve_net(&args.allow_net)?;
+    let limits = Limits {
+        call_deadline: Duration::from_millis(args.plugin_deadline_ms),
+        memory_bytes: args.plugin_memory_mb << 20,
+    };
+    let data_dir = log_path
+        .parent()
+        .map(|p| p.to_path_buf())
+        .unwrap_or_default();
+    let cache_dir = args
+        .cache_dir
+        .clone()
+        .unwrap_or_else(|| data_dir.join(".cache"));
+    let registry = Registry::load(&args.plugins, Some(cache_dir)).await?;
+    let source = registry
+        .source(&args.source, config, limits, net)
+        .map_err(anyhow::Error::msg)?;
+    let log = SqliteChangeLog::open(&log_path, durability)?;
+
+    let status = Arc::new(Status::default());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (addr, serve) = sluice::http::bind(
+        &args.listen,
+        sluice::http::router(status.clone()),
+        stop_rx.clone(),
+    )
+    .await?;
+    let options = StreamerOptions {
+        storer: StorerOptions {
+            queue_budget: args.queue_budget_mb << 20,
+            ..StorerOptions::default()
+        },
+        auto_reset: args.auto_reset,
+        task_id: args.task_id.clone(),
+        advertise: args.advertise.clone().unwrap_or_else(|| addr.to_string()),
+        ..StreamerOptions::default()
+    };
+    tracing::info!(
+        "sluice listening on http://{addr} (status: http://{addr}/status); change log {}",
+        log_path.display()
+    );
+    let server = tokio::spawn(serve);
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("shutting down");
+        let _ = stop_tx.send(true);
+    });
+    let streamer = Streamer::new(Box::new(source), Box::new(log), options, status);
+    let result = streamer.run(stop_rx).await;
+    server.abort();
+    result
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+async fn list_plugins(dir: PathBuf, cache_dir: Option<PathBuf>) -> anyhow::Result<()> {
+    let registry = Registry::load(
+        &dir,
+        cache_dir.or_else(|| Some(PathBuf::from("sluice-data/.cache"))),
+    )
+    .await?;
+    println!(
+        "{:<24} {:<8} {:<8} {:<40} ERROR",
+        "NAME", "KIND", "WIT", "FILE"
+    );
+    for p in registry.infos() {
+        println!(
+            "{:<24} {:<8} {:<8} {:<40} {}",
+            p.name,
+            p.kind.map(|k| k.to_string()).unwrap_or_else(|| "-".into()),
+            p.wit_version.as_deref().unwrap_or("-"),
+            p.file.display(),
+            p.error.as_deref().unwrap_or("")
+        );
+    }
+    Ok(())
+}

@@ -34,12 +34,20 @@ pub struct StorerOptions {
 
 impl Default for StorerOptions {
     fn default() -> Self {
-        StorerOptions { queue_budget: 32 << 20, batch_rows: 2000, group_bytes: 8 << 20, group_transactions: 1000 }
+        StorerOptions {
+            queue_budget: 32 << 20,
+            batch_rows: 2000,
+            group_bytes: 8 << 20,
+            group_transactions: 1000,
+        }
     }
 }
 
 enum Command {
-    Change { watermark: Arc<str>, change: Change },
+    Change {
+        watermark: Arc<str>,
+        change: Change,
+    },
     /// The stream ended inside a transaction: drop what was written of it.
     Abort,
     MarkResetRequired,
@@ -96,7 +104,11 @@ impl Storer {
         status: Arc<Status>,
     ) -> Storer {
         let (commands, rx) = mpsc::unbounded_channel();
-        let budget = Arc::new(Budget { queued: AtomicUsize::new(0), limit: options.queue_budget, drained: Notify::new() });
+        let budget = Arc::new(Budget {
+            queued: AtomicUsize::new(0),
+            limit: options.queue_budget,
+            drained: Notify::new(),
+        });
         let worker_budget = budget.clone();
         let exited = Arc::new(Exited::default());
         let worker_exited = exited.clone();
@@ -114,16 +126,29 @@ impl Storer {
             worker_exited.flag.store(true, Ordering::Release);
             worker_exited.notify.notify_waiters();
             worker.budget.drained.notify_waiters();
-            StorerExit { log: worker.log, result }
+            StorerExit {
+                log: worker.log,
+                result,
+            }
         });
-        Storer { commands, budget, thread, exited }
+        Storer {
+            commands,
+            budget,
+            thread,
+            exited,
+        }
     }
 
     /// Queues a change of the transaction at `watermark`. Never blocks.
     pub fn store(&self, watermark: &Arc<str>, change: &Change) {
-        self.budget.queued.fetch_add(change.json.len(), Ordering::AcqRel);
+        self.budget
+            .queued
+            .fetch_add(change.json.len(), Ordering::AcqRel);
         // A send fails only once the thread has exited; `finished` reports why.
-        let _ = self.commands.send(Command::Change { watermark: watermark.clone(), change: change.clone() });
+        let _ = self.commands.send(Command::Change {
+            watermark: watermark.clone(),
+            change: change.clone(),
+        });
     }
 
     pub fn abort(&self) {
@@ -169,7 +194,10 @@ impl Storer {
         drop(self.commands);
         match tokio::time::timeout(drain_timeout, self.thread).await {
             Ok(exit) => exit.context("storer thread panicked"),
-            Err(_) => anyhow::bail!("change log did not drain within {} ms", drain_timeout.as_millis()),
+            Err(_) => anyhow::bail!(
+                "change log did not drain within {} ms",
+                drain_timeout.as_millis()
+            ),
         }
     }
 }
@@ -273,7 +301,10 @@ impl Worker {
     fn apply(&mut self, watermark: Arc<str>, change: Change) -> anyhow::Result<()> {
         match change.kind {
             Kind::Begin => {
-                anyhow::ensure!(self.current.is_none(), "begin {watermark} while a transaction is open");
+                anyhow::ensure!(
+                    self.current.is_none(),
+                    "begin {watermark} while a transaction is open"
+                );
                 let savepoint = if self.storage_open {
                     self.log.savepoint()?;
                     true
@@ -283,16 +314,28 @@ impl Worker {
                     false
                 };
                 self.current = Some((watermark.clone(), 1, savepoint));
-                self.push_row(PendingRow { watermark, pos: 0, change, precommit: None });
+                self.push_row(PendingRow {
+                    watermark,
+                    pos: 0,
+                    change,
+                    precommit: None,
+                });
             }
             Kind::Data => {
                 let Some((tx_watermark, pos, _)) = self.current.as_mut() else {
                     anyhow::bail!("{} change outside a transaction", change.tag);
                 };
-                let row = PendingRow { watermark: tx_watermark.clone(), pos: *pos, change, precommit: None };
+                let row = PendingRow {
+                    watermark: tx_watermark.clone(),
+                    pos: *pos,
+                    change,
+                    precommit: None,
+                };
                 *pos += 1;
                 self.push_row(row);
-                if self.rows.len() >= self.options.batch_rows || self.rows_bytes >= self.options.group_bytes {
+                if self.rows.len() >= self.options.batch_rows
+                    || self.rows_bytes >= self.options.group_bytes
+                {
                     self.flush_rows()?;
                 }
             }
@@ -300,7 +343,12 @@ impl Worker {
                 let Some((tx_watermark, pos, savepoint)) = self.current.take() else {
                     anyhow::bail!("commit {watermark} outside a transaction");
                 };
-                self.push_row(PendingRow { watermark: watermark.clone(), pos, change, precommit: Some(tx_watermark) });
+                self.push_row(PendingRow {
+                    watermark: watermark.clone(),
+                    pos,
+                    change,
+                    precommit: Some(tx_watermark),
+                });
                 self.flush_rows()?;
                 if savepoint {
                     self.log.release_savepoint()?;
@@ -349,7 +397,9 @@ impl Worker {
 
     /// Drops the upstream transaction being written, if any.
     fn abort_current(&mut self) -> anyhow::Result<()> {
-        let Some((_, _, savepoint)) = self.current.take() else { return Ok(()) };
+        let Some((_, _, savepoint)) = self.current.take() else {
+            return Ok(());
+        };
         self.rows.clear();
         self.rows_bytes = 0;
         if savepoint {
@@ -380,7 +430,9 @@ impl Worker {
             }
             return Ok(());
         };
-        self.log.commit(&last).with_context(|| format!("committing the change log through {last}"))?;
+        self.log
+            .commit(&last)
+            .with_context(|| format!("committing the change log through {last}"))?;
         self.storage_open = false;
         let (txs, changes) = (self.group_transactions as u64, self.group_changes);
         self.reset_group();

@@ -87,7 +87,12 @@ mod tests {
 
     #[test]
     fn strings_are_escaped_as_json() {
-        let samples = ["plain", "quote\" back\\slash", "nl\n tab\t nul\u{0} bell\u{7}", "ünïcødé ✓"];
+        let samples = [
+            "plain",
+            "quote\" back\\slash",
+            "nl\n tab\t nul\u{0} bell\u{7}",
+            "ünïcødé ✓",
+        ];
         for s in samples {
             let mut out = String::new();
             push_str(&mut out, s);

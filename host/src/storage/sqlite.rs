@@ -33,11 +33,24 @@ impl SqliteChangeLog {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        let conn = Connection::open(path).with_context(|| format!("opening change log {}", path.display()))?;
+        let conn = Connection::open(path)
+            .with_context(|| format!("opening change log {}", path.display()))?;
         conn.busy_timeout(std::time::Duration::from_secs(20))?;
         let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
-        anyhow::ensure!(mode.eq_ignore_ascii_case("wal"), "{} cannot use WAL mode (got {mode})", path.display());
-        conn.pragma_update(None, "synchronous", if durability == Durability::Full { "FULL" } else { "NORMAL" })?;
+        anyhow::ensure!(
+            mode.eq_ignore_ascii_case("wal"),
+            "{} cannot use WAL mode (got {mode})",
+            path.display()
+        );
+        conn.pragma_update(
+            None,
+            "synchronous",
+            if durability == Durability::Full {
+                "FULL"
+            } else {
+                "NORMAL"
+            },
+        )?;
         let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
         anyhow::ensure!(
             version == 0 || version == SCHEMA_VERSION,
@@ -69,7 +82,10 @@ impl SqliteChangeLog {
             "#,
         )
         .context("creating change-log tables")?;
-        Ok(SqliteChangeLog { conn, path: path.to_path_buf() })
+        Ok(SqliteChangeLog {
+            conn,
+            path: path.to_path_buf(),
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -77,7 +93,9 @@ impl SqliteChangeLog {
     }
 
     fn insert_statement(n: usize) -> String {
-        let mut sql = String::from(r#"INSERT INTO "changeLog" (watermark, pos, tag, change, precommit) VALUES "#);
+        let mut sql = String::from(
+            r#"INSERT INTO "changeLog" (watermark, pos, tag, change, precommit) VALUES "#,
+        );
         for i in 0..n {
             if i > 0 {
                 sql.push(',');
@@ -92,17 +110,27 @@ impl ChangeLog for SqliteChangeLog {
     fn state(&mut self) -> anyhow::Result<Option<LogState>> {
         let config: Option<(String, bool)> = self
             .conn
-            .query_row(r#"SELECT replicaVersion, resetRequired FROM "replicationConfig""#, [], |r| {
-                Ok((r.get(0)?, r.get(1)?))
-            })
+            .query_row(
+                r#"SELECT replicaVersion, resetRequired FROM "replicationConfig""#,
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
             .optional()?;
-        let Some((replica_version, reset_required)) = config else { return Ok(None) };
+        let Some((replica_version, reset_required)) = config else {
+            return Ok(None);
+        };
         let last_watermark: String = self
             .conn
-            .query_row(r#"SELECT lastWatermark FROM "replicationState""#, [], |r| r.get(0))
+            .query_row(r#"SELECT lastWatermark FROM "replicationState""#, [], |r| {
+                r.get(0)
+            })
             .optional()?
             .unwrap_or_else(|| replica_version.clone());
-        Ok(Some(LogState { replica_version, last_watermark, reset_required }))
+        Ok(Some(LogState {
+            replica_version,
+            last_watermark,
+            reset_required,
+        }))
     }
 
     fn reset(&mut self, replica_version: &str) -> anyhow::Result<()> {
@@ -110,8 +138,14 @@ impl ChangeLog for SqliteChangeLog {
         tx.execute_batch(
             r#"DELETE FROM "replicationState"; DELETE FROM "changeLog"; DELETE FROM "replicationConfig";"#,
         )?;
-        tx.execute(r#"INSERT INTO "replicationConfig" (replicaVersion) VALUES (?)"#, [replica_version])?;
-        tx.execute(r#"INSERT INTO "replicationState" (lastWatermark) VALUES (?)"#, [replica_version])?;
+        tx.execute(
+            r#"INSERT INTO "replicationConfig" (replicaVersion) VALUES (?)"#,
+            [replica_version],
+        )?;
+        tx.execute(
+            r#"INSERT INTO "replicationState" (lastWatermark) VALUES (?)"#,
+            [replica_version],
+        )?;
         tx.execute(
             r#"INSERT INTO "changeLog" (watermark, pos, tag, change, precommit) VALUES
                (?1, 0, 'begin', '{"tag":"begin"}', NULL), (?1, 1, 'commit', '{"tag":"commit"}', ?1)"#,
@@ -122,13 +156,16 @@ impl ChangeLog for SqliteChangeLog {
     }
 
     fn mark_reset_required(&mut self) -> anyhow::Result<()> {
-        self.conn.execute(r#"UPDATE "replicationConfig" SET resetRequired = 1"#, [])?;
+        self.conn
+            .execute(r#"UPDATE "replicationConfig" SET resetRequired = 1"#, [])?;
         Ok(())
     }
 
     fn assume_ownership(&mut self, task_id: &str, address: &str) -> anyhow::Result<()> {
-        self.conn
-            .execute(r#"UPDATE "replicationState" SET owner = ?, ownerAddress = ?"#, params![task_id, address])?;
+        self.conn.execute(
+            r#"UPDATE "replicationState" SET owner = ?, ownerAddress = ?"#,
+            params![task_id, address],
+        )?;
         Ok(())
     }
 
@@ -148,13 +185,16 @@ impl ChangeLog for SqliteChangeLog {
     }
 
     fn rollback_to_savepoint(&mut self) -> anyhow::Result<()> {
-        self.conn.execute_batch("ROLLBACK TO upstream_tx; RELEASE upstream_tx")?;
+        self.conn
+            .execute_batch("ROLLBACK TO upstream_tx; RELEASE upstream_tx")?;
         Ok(())
     }
 
     fn append(&mut self, rows: &[LogRow<'_>]) -> anyhow::Result<()> {
         for chunk in rows.chunks(BATCH_ROWS) {
-            let mut stmt = self.conn.prepare_cached(&Self::insert_statement(chunk.len()))?;
+            let mut stmt = self
+                .conn
+                .prepare_cached(&Self::insert_statement(chunk.len()))?;
             let mut i = 1;
             for row in chunk {
                 stmt.raw_bind_parameter(i, row.watermark)?;
@@ -165,7 +205,11 @@ impl ChangeLog for SqliteChangeLog {
                 i += 5;
             }
             stmt.raw_execute().with_context(|| {
-                format!("inserting {} change-log rows at watermark {}", chunk.len(), chunk[0].watermark)
+                format!(
+                    "inserting {} change-log rows at watermark {}",
+                    chunk.len(),
+                    chunk[0].watermark
+                )
             })?;
         }
         Ok(())
@@ -188,10 +232,19 @@ impl ChangeLog for SqliteChangeLog {
 
     fn bounds(&mut self) -> anyhow::Result<Bounds> {
         let min_watermark: Option<String> =
-            self.conn.query_row(r#"SELECT min(watermark) FROM "changeLog""#, [], |r| r.get(0))?;
+            self.conn
+                .query_row(r#"SELECT min(watermark) FROM "changeLog""#, [], |r| {
+                    r.get(0)
+                })?;
         let last_watermark: String =
-            self.conn.query_row(r#"SELECT lastWatermark FROM "replicationState""#, [], |r| r.get(0))?;
-        Ok(Bounds { min_watermark, last_watermark })
+            self.conn
+                .query_row(r#"SELECT lastWatermark FROM "replicationState""#, [], |r| {
+                    r.get(0)
+                })?;
+        Ok(Bounds {
+            min_watermark,
+            last_watermark,
+        })
     }
 }
 
@@ -200,7 +253,13 @@ mod tests {
     use super::*;
 
     fn row<'a>(w: &'a str, pos: i64, tag: &'a str) -> LogRow<'a> {
-        LogRow { watermark: w, pos, tag, change: "{}", precommit: None }
+        LogRow {
+            watermark: w,
+            pos,
+            tag,
+            change: "{}",
+            precommit: None,
+        }
     }
 
     #[test]
@@ -212,7 +271,11 @@ mod tests {
         log.reset("00").unwrap();
         assert_eq!(
             log.state().unwrap(),
-            Some(LogState { replica_version: "00".into(), last_watermark: "00".into(), reset_required: false })
+            Some(LogState {
+                replica_version: "00".into(),
+                last_watermark: "00".into(),
+                reset_required: false
+            })
         );
         log.begin().unwrap();
         let rows: Vec<_> = (0..600).map(|p| row("01", p, "insert")).collect();
@@ -220,11 +283,23 @@ mod tests {
         log.commit("01").unwrap();
         drop(log);
         let mut log = SqliteChangeLog::open(&path, Durability::Full).unwrap();
-        assert_eq!(log.bounds().unwrap(), Bounds { min_watermark: Some("00".into()), last_watermark: "01".into() });
-        let n: i64 = log.conn.query_row(r#"SELECT count(*) FROM "changeLog""#, [], |r| r.get(0)).unwrap();
+        assert_eq!(
+            log.bounds().unwrap(),
+            Bounds {
+                min_watermark: Some("00".into()),
+                last_watermark: "01".into()
+            }
+        );
+        let n: i64 = log
+            .conn
+            .query_row(r#"SELECT count(*) FROM "changeLog""#, [], |r| r.get(0))
+            .unwrap();
         assert_eq!(n, 602);
         log.reset("05").unwrap();
-        let n: i64 = log.conn.query_row(r#"SELECT count(*) FROM "changeLog""#, [], |r| r.get(0)).unwrap();
+        let n: i64 = log
+            .conn
+            .query_row(r#"SELECT count(*) FROM "changeLog""#, [], |r| r.get(0))
+            .unwrap();
         assert_eq!(n, 2);
         std::fs::remove_dir_all(dir).unwrap();
     }

@@ -90,7 +90,14 @@ impl Streamer {
         status: Arc<Status>,
     ) -> Self {
         status.update(|s| s.source_name = source.name().to_string());
-        Streamer { source, log: Some(log), options, status, acker: UpstreamAcker::default(), open_fresh: false }
+        Streamer {
+            source,
+            log: Some(log),
+            options,
+            status,
+            acker: UpstreamAcker::default(),
+            open_fresh: false,
+        }
     }
 
     /// Runs until shutdown (Ok) or a fatal error (Err, with the reason).
@@ -98,7 +105,8 @@ impl Streamer {
         let mut backoff = Backoff::default();
         loop {
             if *shutdown.borrow() {
-                self.status.update(|s| s.source = SourceState::Stopped { error: None });
+                self.status
+                    .update(|s| s.source = SourceState::Stopped { error: None });
                 return Ok(());
             }
             let (end, progressed) = self.pass(&mut shutdown).await;
@@ -107,13 +115,18 @@ impl Streamer {
             }
             match end {
                 PassEnd::Shutdown => {
-                    self.status.update(|s| s.source = SourceState::Stopped { error: None });
+                    self.status
+                        .update(|s| s.source = SourceState::Stopped { error: None });
                     return Ok(());
                 }
                 PassEnd::Restart => continue,
                 PassEnd::Fatal(msg) => {
                     tracing::error!("replication stopped: {msg}");
-                    self.status.update(|s| s.source = SourceState::Stopped { error: Some(msg.clone()) });
+                    self.status.update(|s| {
+                        s.source = SourceState::Stopped {
+                            error: Some(msg.clone()),
+                        }
+                    });
                     anyhow::bail!(msg);
                 }
                 PassEnd::Retry(msg) => {
@@ -127,7 +140,10 @@ impl Streamer {
                         tracing::error!("{line}");
                     }
                     self.status.update(|s| {
-                        s.source = SourceState::BackingOff { last_error: msg, retry_in_ms: delay.as_millis() as u64 }
+                        s.source = SourceState::BackingOff {
+                            last_error: msg,
+                            retry_in_ms: delay.as_millis() as u64,
+                        }
                     });
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
@@ -139,16 +155,24 @@ impl Streamer {
     }
 
     /// Runs blocking change-log work without stalling the runtime's other tasks.
-    fn with_log<R>(&mut self, f: impl FnOnce(&mut dyn ChangeLog) -> anyhow::Result<R>) -> Result<R, PassEnd> {
-        let log = self.log.as_mut().expect("the change log is home between passes");
-        tokio::task::block_in_place(|| f(log.as_mut())).map_err(|e| PassEnd::Retry(format!("change log: {e:#}")))
+    fn with_log<R>(
+        &mut self,
+        f: impl FnOnce(&mut dyn ChangeLog) -> anyhow::Result<R>,
+    ) -> Result<R, PassEnd> {
+        let log = self
+            .log
+            .as_mut()
+            .expect("the change log is home between passes");
+        tokio::task::block_in_place(|| f(log.as_mut()))
+            .map_err(|e| PassEnd::Retry(format!("change log: {e:#}")))
     }
 
     /// Opens the source and settles the lineage. Returns the stream and the
     /// watermark it continues after.
     async fn open(&mut self) -> Result<(Box<dyn ChangeStream>, String), PassEnd> {
         let state = self.with_log(|log| log.state())?;
-        let reset_requested = state.as_ref().is_some_and(|s| s.reset_required) && self.options.auto_reset;
+        let reset_requested =
+            state.as_ref().is_some_and(|s| s.reset_required) && self.options.auto_reset;
         let resume = match &state {
             Some(s) if !self.open_fresh && !reset_requested => Some(s.last_watermark.clone()),
             _ => None,
@@ -214,12 +238,23 @@ impl Streamer {
             Err(end) => return (end, false),
         };
         let (durable_tx, mut durable_rx) = mpsc::unbounded_channel();
-        let log = self.log.take().expect("the change log is home between passes");
+        let log = self
+            .log
+            .take()
+            .expect("the change log is home between passes");
         let storer = Storer::start(log, self.options.storer, durable_tx, self.status.clone());
         self.acker.reset();
         let mut state = StreamState::new(resume_after);
 
-        let end = self.pump(stream.as_mut(), &storer, &mut durable_rx, &mut state, shutdown).await;
+        let end = self
+            .pump(
+                stream.as_mut(),
+                &storer,
+                &mut durable_rx,
+                &mut state,
+                shutdown,
+            )
+            .await;
 
         if let Some(w) = &state.tx {
             tracing::warn!("aborting interrupted transaction {w}");
@@ -230,7 +265,9 @@ impl Streamer {
             Ok(exit) => {
                 self.log = Some(exit.log);
                 match exit.result {
-                    Err(e) if !matches!(end, PassEnd::Fatal(_)) => PassEnd::Retry(format!("change log: {e:#}")),
+                    Err(e) if !matches!(end, PassEnd::Fatal(_)) => {
+                        PassEnd::Retry(format!("change log: {e:#}"))
+                    }
                     _ => end,
                 }
             }
@@ -319,7 +356,9 @@ impl Streamer {
             Message::Commit(c) => Some(c.watermark.clone()),
             _ => None,
         };
-        let event = encoder.encode(msg).map_err(|e| PassEnd::Retry(e.to_string()))?;
+        let event = encoder
+            .encode(msg)
+            .map_err(|e| PassEnd::Retry(e.to_string()))?;
         let change = match event {
             Event::Declared => return Ok(()),
             Event::Status { watermark, ack } => {
@@ -351,7 +390,9 @@ impl Streamer {
             Kind::Begin => {
                 let w = watermark.unwrap_or_default();
                 if let Some(open) = &state.tx {
-                    return Err(PassEnd::Fatal(format!("begin {w} received inside transaction {open}")));
+                    return Err(PassEnd::Fatal(format!(
+                        "begin {w} received inside transaction {open}"
+                    )));
                 }
                 if w <= state.last_commit {
                     if state.commits == 0 && state.skipping.is_none() {
@@ -387,7 +428,11 @@ impl Streamer {
             Kind::Data | Kind::Rollback if state.tx.is_none() => {
                 return Err(PassEnd::Fatal(format!(
                     "{} change ({}) received before 'begin' message",
-                    if change.kind == Kind::Data { "data" } else { "rollback" },
+                    if change.kind == Kind::Data {
+                        "data"
+                    } else {
+                        "rollback"
+                    },
                     change.tag
                 )));
             }
@@ -395,7 +440,9 @@ impl Streamer {
                 let w = watermark.unwrap_or_default();
                 match &state.tx {
                     None => {
-                        return Err(PassEnd::Fatal(format!("commit change {w} received before 'begin' message")));
+                        return Err(PassEnd::Fatal(format!(
+                            "commit change {w} received before 'begin' message"
+                        )));
                     }
                     Some(open) if **open != *w => {
                         return Err(PassEnd::Fatal(format!(
@@ -407,7 +454,10 @@ impl Streamer {
             }
             Kind::Data | Kind::Rollback => {}
         }
-        let tx = state.tx.clone().expect("checked above: a transaction is open");
+        let tx = state
+            .tx
+            .clone()
+            .expect("checked above: a transaction is open");
         storer.store(&tx, &change);
         match change.kind {
             Kind::Commit => {

@@ -1,0 +1,44 @@
+# Sluice: build, demo, test, bench.
+CARGO ?= cargo
+PLUGINS := mock-source
+PLUGIN_DIR := target/plugins
+
+.PHONY: all build plugins demo test bench fmt lint clean
+
+all: build plugins
+
+build:
+	$(CARGO) build --bin sluice
+
+# Every bundled plugin into target/plugins/NAME.wasm.
+plugins:
+	@rustup target list --installed 2>/dev/null | grep -q '^wasm32-wasip2$$' || rustup target add wasm32-wasip2
+	$(CARGO) build --profile plugin --target wasm32-wasip2 $(addprefix -p ,$(PLUGINS))
+	@mkdir -p $(PLUGIN_DIR)
+	@for p in $(PLUGINS); do cp target/wasm32-wasip2/plugin/$$(echo $$p | tr - _).wasm $(PLUGIN_DIR)/$$p.wasm; done
+	@ls -l $(PLUGIN_DIR)
+
+# The README's run command: the mock source into the embedded SQLite change log.
+demo: build plugins
+	@echo "Sluice demo: mock source -> SQLite change log at sluice-data/changelog.db"
+	@echo "  status:      curl http://127.0.0.1:4849/status"
+	@echo "  stop:        Ctrl-C"
+	./target/debug/sluice run --plugins $(PLUGIN_DIR) --source mock-source \
+		--source-config '{"rate": 200, "rows_per_tx": 5}' --change-db sqlite:sluice-data/changelog.db
+
+# The README's test command: the whole suite.
+test: plugins
+	$(CARGO) test --workspace --exclude mock-source -- --test-threads=2
+
+bench: plugins
+	$(CARGO) run --release --bin sluice-bench
+
+fmt:
+	$(CARGO) fmt --all
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+clean:
+	$(CARGO) clean

@@ -1,0 +1,774 @@
+//! The core slice: plugin source -> replication loop -> SQLite change log.
+//! Cases follow Zero's change-streamer tests (§8.1) that need neither
+//! Postgres nor subscribers, plus plugin faults and the command line.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use common::*;
+use serde_json::json;
+use sluice::plugin::{Limits, Registry};
+use sluice::source::model::{
+    Begin, Commit, Control, Insert, KeyType, Message, Relation, Status, Value,
+};
+use sluice::source::{ChangeSource, ChangeStream, SourceError};
+use sluice::streamer::StreamerOptions;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+fn all(n: u64) -> Vec<String> {
+    (1..=n).map(lexi).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stores_every_transaction_in_order_with_its_content() {
+    let dir = tmp();
+    let h = start_mock(
+        dir.path(),
+        json!({"transactions": 20, "rows_per_tx": 3, "tables": 2}),
+        Limits::default(),
+    )
+    .await;
+    h.wait_for_watermark(&lexi(20), WAIT).await;
+    h.stop().await.unwrap();
+
+    let rows = rows(&dir.path().join("log.db"));
+    assert_eq!(
+        rows.len(),
+        2 + 20 * 5,
+        "two seed rows, then begin + 3 inserts + commit per transaction"
+    );
+    assert_eq!(
+        (rows[0].tag.as_str(), rows[1].tag.as_str()),
+        ("begin", "commit")
+    );
+    assert_eq!(rows[0].watermark, "00");
+    assert_whole_transactions(&dir.path().join("log.db"));
+    assert_eq!(committed(&dir.path().join("log.db")), all(20));
+    assert_eq!(last_watermark(&dir.path().join("log.db")), lexi(20));
+
+    // Transaction 2's first row is row id 3 of the mock's deterministic stream.
+    let insert = rows
+        .iter()
+        .find(|r| r.watermark == lexi(2) && r.pos == 1)
+        .unwrap();
+    assert_eq!(insert.tag, "insert");
+    let v: serde_json::Value = serde_json::from_str(&insert.change).unwrap();
+    assert_eq!(v["relation"]["name"], "table1");
+    assert_eq!(v["relation"]["rowKey"]["columns"], json!(["id"]));
+    assert_eq!(v["new"]["id"], 3);
+    assert_eq!(v["new"]["tx"], lexi(2));
+    // 2^60 + 3: beyond 2^53, kept exact in the stored text.
+    assert!(
+        insert.change.contains("\"big\":1152921504606846979"),
+        "{}",
+        insert.change
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolled_back_transactions_are_not_stored() {
+    let dir = tmp();
+    let h = start_mock(
+        dir.path(),
+        json!({"transactions": 10, "rows_per_tx": 2, "rollback_every": 3}),
+        Limits::default(),
+    )
+    .await;
+    h.wait_for_watermark(&lexi(10), WAIT).await;
+    h.stop().await.unwrap();
+    let db = dir.path().join("log.db");
+    let expected: Vec<String> = (1..=10).filter(|i| i % 3 != 0).map(lexi).collect();
+    assert_eq!(committed(&db), expected);
+    assert_whole_transactions(&db);
+}
+
+async fn survives_fault(config: serde_json::Value, limits: Limits) {
+    let dir = tmp();
+    let h = start_mock(dir.path(), config, limits).await;
+    h.wait_for_watermark(&lexi(30), WAIT).await;
+    h.stop().await.unwrap();
+    let db = dir.path().join("log.db");
+    assert_eq!(
+        committed(&db),
+        all(30),
+        "every transaction exactly once, in order"
+    );
+    assert_whole_transactions(&db);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interrupted_transactions_are_aborted_and_redelivered_once() {
+    survives_fault(
+        json!({"transactions": 30, "rows_per_tx": 4, "interrupt_every": 4}),
+        Limits::default(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_after_a_source_error() {
+    survives_fault(
+        json!({"transactions": 30, "rows_per_tx": 4, "fail_after": 25}),
+        Limits::default(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovers_from_a_trapping_plugin() {
+    survives_fault(
+        json!({"transactions": 30, "rows_per_tx": 4, "trap_after": 40}),
+        Limits::default(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovers_from_a_hanging_plugin() {
+    let limits = Limits {
+        call_deadline: Duration::from_millis(300),
+        ..Limits::default()
+    };
+    survives_fault(
+        json!({"transactions": 30, "rows_per_tx": 4, "hang_after": 20}),
+        limits,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovers_from_a_plugin_that_exhausts_memory() {
+    let limits = Limits {
+        memory_bytes: 48 << 20,
+        ..Limits::default()
+    };
+    survives_fault(
+        json!({"transactions": 30, "rows_per_tx": 4, "oom_after": 20}),
+        limits,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumes_after_the_last_durable_watermark() {
+    let dir = tmp();
+    let h = start_mock(dir.path(), json!({"transactions": 10}), Limits::default()).await;
+    h.wait_for_watermark(&lexi(10), WAIT).await;
+    h.stop().await.unwrap();
+    let h = start_mock(dir.path(), json!({"transactions": 25}), Limits::default()).await;
+    h.wait_for_watermark(&lexi(25), WAIT).await;
+    h.stop().await.unwrap();
+    assert_eq!(committed(&dir.path().join("log.db")), all(25));
+}
+
+// ---- Protocol rules, driven by a scripted source -------------------------
+
+/// Replays one script per open (the last one again for later opens), and
+/// records what the loop asked of it.
+/// Replica version and the messages (or errors) of one open.
+type Script = (String, Vec<Result<Message, String>>);
+
+#[derive(Clone, Default)]
+struct Scripted {
+    scripts: Arc<Vec<Script>>,
+    opens: Arc<Mutex<Vec<Option<String>>>>,
+    acks: Arc<Mutex<Vec<String>>>,
+}
+
+impl Scripted {
+    fn new(scripts: Vec<(&str, Vec<Result<Message, String>>)>) -> Self {
+        Scripted {
+            scripts: Arc::new(
+                scripts
+                    .into_iter()
+                    .map(|(rv, s)| (rv.to_string(), s))
+                    .collect(),
+            ),
+            ..Default::default()
+        }
+    }
+    fn opens(&self) -> Vec<Option<String>> {
+        self.opens.lock().unwrap().clone()
+    }
+    fn acks(&self) -> Vec<String> {
+        self.acks.lock().unwrap().clone()
+    }
+}
+
+struct ScriptedStream {
+    rv: String,
+    items: std::vec::IntoIter<Result<Message, String>>,
+    acks: Arc<Mutex<Vec<String>>>,
+}
+
+#[async_trait]
+impl ChangeSource for Scripted {
+    fn name(&self) -> &str {
+        "scripted"
+    }
+    async fn open(
+        &mut self,
+        resume_after: Option<&str>,
+    ) -> Result<Box<dyn ChangeStream>, SourceError> {
+        let mut opens = self.opens.lock().unwrap();
+        opens.push(resume_after.map(str::to_string));
+        let (rv, script) = &self.scripts[(opens.len() - 1).min(self.scripts.len() - 1)];
+        Ok(Box::new(ScriptedStream {
+            rv: rv.clone(),
+            items: script.clone().into_iter(),
+            acks: self.acks.clone(),
+        }))
+    }
+}
+
+#[async_trait]
+impl ChangeStream for ScriptedStream {
+    fn replica_version(&self) -> &str {
+        &self.rv
+    }
+    async fn next_batch(&mut self, _max: u32) -> Result<Vec<Message>, SourceError> {
+        match self.items.next() {
+            Some(Ok(m)) => Ok(vec![m]),
+            Some(Err(e)) => Err(SourceError::Transient(e)),
+            None => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                Ok(vec![])
+            }
+        }
+    }
+    async fn ack(&mut self, watermark: &str) -> Result<(), SourceError> {
+        self.acks.lock().unwrap().push(watermark.to_string());
+        Ok(())
+    }
+}
+
+fn relation() -> Result<Message, String> {
+    Ok(Message::Relation(Relation {
+        id: 0,
+        schema: "public".into(),
+        name: "foo".into(),
+        columns: vec!["id".into()],
+        key_columns: vec!["id".into()],
+        key_type: KeyType::Default,
+    }))
+}
+fn begin(w: &str) -> Result<Message, String> {
+    Ok(Message::Begin(Begin {
+        commit_watermark: w.into(),
+        extra: None,
+    }))
+}
+fn insert(id: i64) -> Result<Message, String> {
+    Ok(Message::Insert(Insert {
+        relation: 0,
+        new: vec![Value::Int(id)],
+    }))
+}
+fn commit(w: &str) -> Result<Message, String> {
+    Ok(Message::Commit(Commit {
+        watermark: w.into(),
+        extra: Some(r#"{"extra":"fields"}"#.into()),
+    }))
+}
+fn status(w: &str, ack: bool) -> Result<Message, String> {
+    Ok(Message::Status(Status {
+        watermark: w.into(),
+        ack,
+    }))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_before_begin_stops_the_service() {
+    let dir = tmp();
+    let src = Scripted::new(vec![("01", vec![relation(), insert(1)])]);
+    let h = start(dir.path(), Box::new(src), StreamerOptions::default());
+    let err = h.task.await.unwrap().unwrap_err().to_string();
+    assert_eq!(err, "data change (insert) received before 'begin' message");
+    assert_eq!(
+        rows(&dir.path().join("log.db")).len(),
+        2,
+        "only the seed rows"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatched_commit_watermark_stops_the_service() {
+    let dir = tmp();
+    let src = Scripted::new(vec![(
+        "01",
+        vec![relation(), begin("0b"), insert(1), commit("0c")],
+    )]);
+    let h = start(dir.path(), Box::new(src), StreamerOptions::default());
+    let err = h.task.await.unwrap().unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "commit watermark 0c does not match 'begin' watermark 0b"
+    );
+    assert_eq!(rows(&dir.path().join("log.db")).len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_commits_once_durable_and_echoes_statuses_after_them() {
+    let dir = tmp();
+    let src = Scripted::new(vec![(
+        "01",
+        vec![
+            status("05", false),
+            relation(),
+            begin("09"),
+            insert(1),
+            insert(2),
+            commit("09"),
+            status("0b", false),
+            status("0d", true),
+        ],
+    )]);
+    let h = start(
+        dir.path(),
+        Box::new(src.clone()),
+        StreamerOptions::default(),
+    );
+    let acks = src.clone();
+    wait_until("acks", WAIT, || {
+        let n = acks.acks().len();
+        async move { n >= 2 }
+    })
+    .await;
+    h.stop().await.unwrap();
+    assert_eq!(src.acks(), ["09", "0d"]);
+    let db = dir.path().join("log.db");
+    let rows = rows(&db);
+    let tags: Vec<(&str, i64, &str)> = rows
+        .iter()
+        .map(|r| (r.watermark.as_str(), r.pos, r.tag.as_str()))
+        .collect();
+    assert_eq!(
+        tags,
+        [
+            ("01", 0, "begin"),
+            ("01", 1, "commit"),
+            ("09", 0, "begin"),
+            ("09", 1, "insert"),
+            ("09", 2, "insert"),
+            ("09", 3, "commit")
+        ]
+    );
+    assert_eq!(rows[5].change, r#"{"tag":"commit","extra":"fields"}"#);
+    assert_eq!(last_watermark(&db), "09");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_failing_mid_transaction_is_reopened_at_the_durable_watermark() {
+    let dir = tmp();
+    let src = Scripted::new(vec![
+        (
+            "01",
+            vec![
+                relation(),
+                begin("05"),
+                insert(1),
+                commit("05"),
+                begin("09"),
+                insert(2),
+                Err("connection reset".into()),
+            ],
+        ),
+        ("01", vec![relation(), begin("09"), insert(2), commit("09")]),
+    ]);
+    let h = start(
+        dir.path(),
+        Box::new(src.clone()),
+        StreamerOptions::default(),
+    );
+    h.wait_for_watermark("09", WAIT).await;
+    h.stop().await.unwrap();
+    assert_eq!(
+        src.opens()[..2],
+        [None, Some("05".to_string())],
+        "a new log opens from the start"
+    );
+    let db = dir.path().join("log.db");
+    assert_eq!(committed(&db), ["05", "09"]);
+    assert_whole_transactions(&db);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_transactions_are_skipped_not_duplicated() {
+    let dir = tmp();
+    let src = Scripted::new(vec![
+        (
+            "01",
+            vec![
+                relation(),
+                begin("05"),
+                insert(1),
+                commit("05"),
+                Err("drop".into()),
+            ],
+        ),
+        // A sloppy upstream replays 05 after resuming from it.
+        (
+            "01",
+            vec![
+                relation(),
+                begin("05"),
+                insert(1),
+                commit("05"),
+                begin("07"),
+                insert(2),
+                commit("07"),
+            ],
+        ),
+    ]);
+    let h = start(dir.path(), Box::new(src), StreamerOptions::default());
+    h.wait_for_watermark("07", WAIT).await;
+    h.stop().await.unwrap();
+    assert_eq!(committed(&dir.path().join("log.db")), ["05", "07"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_required_is_recorded_and_auto_reset_starts_a_new_lineage() {
+    let dir = tmp();
+    let reset = Ok(Message::Control(Control::ResetRequired(Some(
+        "slot dropped".into(),
+    ))));
+    let src = Scripted::new(vec![
+        (
+            "01",
+            vec![relation(), begin("05"), insert(1), commit("05"), reset],
+        ),
+        (
+            "0z",
+            vec![relation(), begin("110"), insert(1), commit("110")],
+        ),
+    ]);
+    let options = StreamerOptions {
+        auto_reset: true,
+        ..StreamerOptions::default()
+    };
+    let h = start(dir.path(), Box::new(src.clone()), options);
+    h.wait_for_watermark("110", WAIT).await;
+    h.stop().await.unwrap();
+    // The second open asked for a fresh lineage; the log was rebuilt for it.
+    assert_eq!(src.opens()[..2], [None, None]);
+    let db = dir.path().join("log.db");
+    let rows = rows(&db);
+    assert_eq!(rows[0].watermark, "0z", "seeded at the new replica version");
+    assert_eq!(committed(&db), ["110"]);
+    let c = rusqlite::Connection::open(&db).unwrap();
+    let (rv, reset): (String, bool) = c
+        .query_row(
+            r#"SELECT replicaVersion, resetRequired FROM "replicationConfig""#,
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!((rv.as_str(), reset), ("0z", false));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_required_without_auto_reset_is_recorded_and_streaming_goes_on() {
+    let dir = tmp();
+    let reset = Ok(Message::Control(Control::ResetRequired(None)));
+    let src = Scripted::new(vec![(
+        "01",
+        vec![
+            relation(),
+            begin("05"),
+            insert(1),
+            commit("05"),
+            reset,
+            begin("07"),
+            insert(2),
+            commit("07"),
+        ],
+    )]);
+    let h = start(dir.path(), Box::new(src), StreamerOptions::default());
+    h.wait_for_watermark("07", WAIT).await;
+    assert!(h.status.snapshot().reset_required);
+    h.stop().await.unwrap();
+    let c = rusqlite::Connection::open(dir.path().join("log.db")).unwrap();
+    let reset: bool = c
+        .query_row(
+            r#"SELECT resetRequired FROM "replicationConfig""#,
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(reset);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_different_replica_version_resets_the_log() {
+    let dir = tmp();
+    let first = Scripted::new(vec![(
+        "01",
+        vec![relation(), begin("05"), insert(1), commit("05")],
+    )]);
+    let h = start(dir.path(), Box::new(first), StreamerOptions::default());
+    h.wait_for_watermark("05", WAIT).await;
+    h.stop().await.unwrap();
+
+    let second = Scripted::new(vec![(
+        "02",
+        vec![relation(), begin("03"), insert(9), commit("03")],
+    )]);
+    let h = start(
+        dir.path(),
+        Box::new(second.clone()),
+        StreamerOptions::default(),
+    );
+    h.wait_for_watermark("03", WAIT).await;
+    h.stop().await.unwrap();
+    // First opened at the old position, then from scratch in the new lineage.
+    assert_eq!(second.opens()[..2], [Some("05".to_string()), None]);
+    let db = dir.path().join("log.db");
+    assert_eq!(rows(&db)[0].watermark, "02");
+    assert_eq!(committed(&db), ["03"]);
+}
+
+// ---- Plugin loading ------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_plugin_files_are_reported_and_the_rest_load() {
+    let dir = tmp();
+    let plugins = dir.path().join("plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    let good = std::fs::read(plugin_dir().join("mock-source.wasm")).unwrap();
+    std::fs::write(plugins.join("good.wasm"), &good).unwrap();
+    std::fs::write(plugins.join("garbage.wasm"), b"this is not wasm at all").unwrap();
+    std::fs::write(plugins.join("core.wasm"), b"\0asm\x01\0\0\0").unwrap();
+    let newer = replace_all(&good, b"@0.1.0", b"@0.2.0");
+    std::fs::write(plugins.join("newer.wasm"), newer).unwrap();
+    std::fs::write(plugins.join("ignored.txt"), b"not a plugin").unwrap();
+
+    let registry = Registry::load(&plugins, Some(dir.path().join("cache")))
+        .await
+        .unwrap();
+    let infos: Vec<_> = registry.infos().cloned().collect();
+    let by = |n: &str| {
+        infos
+            .iter()
+            .find(|i| i.name == n)
+            .unwrap_or_else(|| panic!("{n} listed"))
+    };
+    assert_eq!(infos.len(), 4, "only *.wasm files");
+    assert_eq!(by("good").error, None);
+    assert_eq!(by("good").wit_version.as_deref(), Some("0.1.0"));
+    assert!(by("garbage")
+        .error
+        .as_deref()
+        .unwrap()
+        .contains("not a WebAssembly file"));
+    assert!(by("core")
+        .error
+        .as_deref()
+        .unwrap()
+        .contains("core WebAssembly module, not a component"));
+    let newer = by("newer").error.as_deref().unwrap();
+    assert!(
+        newer.contains("speaks sluice:plugin@0.2.0, but this host speaks sluice:plugin@0.1.x"),
+        "{newer}"
+    );
+    assert!(registry
+        .source(
+            "garbage",
+            "{}".into(),
+            Limits::default(),
+            Default::default()
+        )
+        .is_err());
+    let err = registry
+        .source("nope", "{}".into(), Limits::default(), Default::default())
+        .err()
+        .unwrap();
+    assert!(
+        err.contains("unknown source \"nope\"") && err.contains("good"),
+        "{err}"
+    );
+
+    // A second load comes from the compiled-code cache.
+    let again = Registry::load(&plugins, Some(dir.path().join("cache")))
+        .await
+        .unwrap();
+    assert!(again.infos().find(|i| i.name == "good").unwrap().cached);
+}
+
+fn replace_all(haystack: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
+    assert_eq!(from.len(), to.len());
+    let mut out = haystack.to_vec();
+    let mut i = 0;
+    while i + from.len() <= out.len() {
+        if &out[i..i + from.len()] == from {
+            out[i..i + from.len()].copy_from_slice(to);
+            i += from.len();
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+// ---- The binary ----------------------------------------------------------
+
+fn sluice() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_sluice"))
+}
+
+#[test]
+fn bad_source_config_and_unknown_source_exit_with_a_clear_error() {
+    let dir = tmp();
+    let db = format!("sqlite:{}", dir.path().join("log.db").display());
+    let plugins = plugin_dir();
+    let out = sluice()
+        .args([
+            "run",
+            "--source",
+            "mock-source",
+            "--source-config",
+            "{not json",
+            "--change-db",
+            &db,
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--plugins")
+        .arg(&plugins)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("error: --source-config is not valid JSON"),
+        "{err}"
+    );
+
+    let out = sluice()
+        .args([
+            "run",
+            "--source",
+            "nope",
+            "--change-db",
+            &db,
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--plugins")
+        .arg(&plugins)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown source \"nope\""), "{err}");
+
+    let out = sluice()
+        .arg("plugins")
+        .arg("--plugins")
+        .arg(&plugins)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("mock-source") && l.contains("source") && l.contains("0.1.0")),
+        "{table}"
+    );
+}
+
+fn http_get(addr: &str, path: &str) -> Option<String> {
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    body.split_once("\r\n\r\n").map(|(_, b)| b.to_string())
+}
+
+fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+fn status_watermark(addr: &str) -> Option<String> {
+    let body = http_get(addr, "/status")?;
+    let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+    v["lastWatermark"].as_str().map(str::to_string)
+}
+
+fn spawn_host(db: &Path, addr: &str, config: &str) -> std::process::Child {
+    sluice()
+        .args([
+            "run",
+            "--source",
+            "mock-source",
+            "--source-config",
+            config,
+            "--listen",
+            addr,
+        ])
+        .arg("--plugins")
+        .arg(plugin_dir())
+        .arg("--change-db")
+        .arg(format!("sqlite:{}", db.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_host_resumes_at_the_right_watermark() {
+    let dir = tmp();
+    let db = dir.path().join("log.db");
+    let config = r#"{"transactions": 400, "rows_per_tx": 5, "rate": 200}"#;
+    let addr = free_port();
+    let mut host = spawn_host(&db, &addr, config);
+    let a = addr.clone();
+    wait_until("the first host to store 50 transactions", WAIT, || {
+        let w = status_watermark(&a);
+        async move { w.is_some_and(|w| w >= lexi(50)) }
+    })
+    .await;
+    host.kill().unwrap(); // SIGKILL: no chance to drain
+    host.wait().unwrap();
+    let before = committed(&db);
+    assert!(
+        before.len() >= 50 && before.len() < 400,
+        "killed mid-stream ({} stored)",
+        before.len()
+    );
+
+    let addr = free_port();
+    let mut host = spawn_host(&db, &addr, config);
+    let a = addr.clone();
+    wait_until("the restarted host to reach transaction 400", WAIT, || {
+        let w = status_watermark(&a);
+        async move { w.as_deref() == Some(lexi(400).as_str()) }
+    })
+    .await;
+    let body = http_get(&addr, "/status").unwrap();
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["replicaVersion"], "00");
+    assert_eq!(v["source"]["state"], "running");
+    assert_eq!(http_get(&addr, "/keepalive").as_deref(), Some("OK"));
+    host.kill().unwrap();
+    host.wait().unwrap();
+    assert_eq!(
+        committed(&db),
+        all(400),
+        "every transaction exactly once across the kill"
+    );
+    assert_whole_transactions(&db);
+}
