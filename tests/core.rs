@@ -14,9 +14,7 @@ use async_trait::async_trait;
 use common::*;
 use serde_json::json;
 use sluice::plugin::{Limits, Registry};
-use sluice::source::model::{
-    Begin, Commit, Control, Insert, KeyType, Message, Relation, Status, Value,
-};
+use sluice::source::model::{Begin, Commit, Control, Insert, KeyType, Message, Relation, Status, Value};
 use sluice::source::{ChangeSource, ChangeStream, SourceError};
 use sluice::streamer::StreamerOptions;
 
@@ -33,35 +31,20 @@ fn all(n: u64) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stores_every_transaction_in_order_with_its_content() {
     let dir = tmp();
-    let h = start_mock(
-        dir.path(),
-        json!({"transactions": 20, "rows_per_tx": 3, "tables": 2}),
-        Limits::default(),
-    )
-    .await;
+    let h = start_mock(dir.path(), json!({"transactions": 20, "rows_per_tx": 3, "tables": 2}), Limits::default()).await;
     h.wait_for_watermark(&lexi(20), WAIT).await;
     h.stop().await.unwrap();
 
     let rows = rows(&dir.path().join("log.db"));
-    assert_eq!(
-        rows.len(),
-        2 + 20 * 5,
-        "two seed rows, then begin + 3 inserts + commit per transaction"
-    );
-    assert_eq!(
-        (rows[0].tag.as_str(), rows[1].tag.as_str()),
-        ("begin", "commit")
-    );
+    assert_eq!(rows.len(), 2 + 20 * 5, "two seed rows, then begin + 3 inserts + commit per transaction");
+    assert_eq!((rows[0].tag.as_str(), rows[1].tag.as_str()), ("begin", "commit"));
     assert_eq!(rows[0].watermark, "00");
     assert_whole_transactions(&dir.path().join("log.db"));
     assert_eq!(committed(&dir.path().join("log.db")), all(20));
     assert_eq!(last_watermark(&dir.path().join("log.db")), lexi(20));
 
     // Transaction 2's first row is row id 3 of the mock's deterministic stream.
-    let insert = rows
-        .iter()
-        .find(|r| r.watermark == lexi(2) && r.pos == 1)
-        .unwrap();
+    let insert = rows.iter().find(|r| r.watermark == lexi(2) && r.pos == 1).unwrap();
     assert_eq!(insert.tag, "insert");
     let v: serde_json::Value = serde_json::from_str(&insert.change).unwrap();
     assert_eq!(v["relation"]["name"], "table1");
@@ -69,22 +52,15 @@ async fn stores_every_transaction_in_order_with_its_content() {
     assert_eq!(v["new"]["id"], 3);
     assert_eq!(v["new"]["tx"], lexi(2));
     // 2^60 + 3: beyond 2^53, kept exact in the stored text.
-    assert!(
-        insert.change.contains("\"big\":1152921504606846979"),
-        "{}",
-        insert.change
-    );
+    assert!(insert.change.contains("\"big\":1152921504606846979"), "{}", insert.change);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolled_back_transactions_are_not_stored() {
     let dir = tmp();
-    let h = start_mock(
-        dir.path(),
-        json!({"transactions": 10, "rows_per_tx": 2, "rollback_every": 3}),
-        Limits::default(),
-    )
-    .await;
+    let h =
+        start_mock(dir.path(), json!({"transactions": 10, "rows_per_tx": 2, "rollback_every": 3}), Limits::default())
+            .await;
     h.wait_for_watermark(&lexi(10), WAIT).await;
     h.stop().await.unwrap();
     let db = dir.path().join("log.db");
@@ -99,65 +75,35 @@ async fn survives_fault(config: serde_json::Value, limits: Limits) {
     h.wait_for_watermark(&lexi(30), WAIT).await;
     h.stop().await.unwrap();
     let db = dir.path().join("log.db");
-    assert_eq!(
-        committed(&db),
-        all(30),
-        "every transaction exactly once, in order"
-    );
+    assert_eq!(committed(&db), all(30), "every transaction exactly once, in order");
     assert_whole_transactions(&db);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn interrupted_transactions_are_aborted_and_redelivered_once() {
-    survives_fault(
-        json!({"transactions": 30, "rows_per_tx": 4, "interrupt_every": 4}),
-        Limits::default(),
-    )
-    .await;
+    survives_fault(json!({"transactions": 30, "rows_per_tx": 4, "interrupt_every": 4}), Limits::default()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_after_a_source_error() {
-    survives_fault(
-        json!({"transactions": 30, "rows_per_tx": 4, "fail_after": 25}),
-        Limits::default(),
-    )
-    .await;
+    survives_fault(json!({"transactions": 30, "rows_per_tx": 4, "fail_after": 25}), Limits::default()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recovers_from_a_trapping_plugin() {
-    survives_fault(
-        json!({"transactions": 30, "rows_per_tx": 4, "trap_after": 40}),
-        Limits::default(),
-    )
-    .await;
+    survives_fault(json!({"transactions": 30, "rows_per_tx": 4, "trap_after": 40}), Limits::default()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recovers_from_a_hanging_plugin() {
-    let limits = Limits {
-        call_deadline: Duration::from_millis(300),
-        ..Limits::default()
-    };
-    survives_fault(
-        json!({"transactions": 30, "rows_per_tx": 4, "hang_after": 20}),
-        limits,
-    )
-    .await;
+    let limits = Limits { call_deadline: Duration::from_millis(300), ..Limits::default() };
+    survives_fault(json!({"transactions": 30, "rows_per_tx": 4, "hang_after": 20}), limits).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recovers_from_a_plugin_that_exhausts_memory() {
-    let limits = Limits {
-        memory_bytes: 48 << 20,
-        ..Limits::default()
-    };
-    survives_fault(
-        json!({"transactions": 30, "rows_per_tx": 4, "oom_after": 20}),
-        limits,
-    )
-    .await;
+    let limits = Limits { memory_bytes: 48 << 20, ..Limits::default() };
+    survives_fault(json!({"transactions": 30, "rows_per_tx": 4, "oom_after": 20}), limits).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -189,12 +135,7 @@ struct Scripted {
 impl Scripted {
     fn new(scripts: Vec<(&str, Vec<Result<Message, String>>)>) -> Self {
         Scripted {
-            scripts: Arc::new(
-                scripts
-                    .into_iter()
-                    .map(|(rv, s)| (rv.to_string(), s))
-                    .collect(),
-            ),
+            scripts: Arc::new(scripts.into_iter().map(|(rv, s)| (rv.to_string(), s)).collect()),
             ..Default::default()
         }
     }
@@ -217,18 +158,11 @@ impl ChangeSource for Scripted {
     fn name(&self) -> &str {
         "scripted"
     }
-    async fn open(
-        &mut self,
-        resume_after: Option<&str>,
-    ) -> Result<Box<dyn ChangeStream>, SourceError> {
+    async fn open(&mut self, resume_after: Option<&str>) -> Result<Box<dyn ChangeStream>, SourceError> {
         let mut opens = self.opens.lock().unwrap();
         opens.push(resume_after.map(str::to_string));
         let (rv, script) = &self.scripts[(opens.len() - 1).min(self.scripts.len() - 1)];
-        Ok(Box::new(ScriptedStream {
-            rv: rv.clone(),
-            items: script.clone().into_iter(),
-            acks: self.acks.clone(),
-        }))
+        Ok(Box::new(ScriptedStream { rv: rv.clone(), items: script.clone().into_iter(), acks: self.acks.clone() }))
     }
 }
 
@@ -264,28 +198,16 @@ fn relation() -> Result<Message, String> {
     }))
 }
 fn begin(w: &str) -> Result<Message, String> {
-    Ok(Message::Begin(Begin {
-        commit_watermark: w.into(),
-        extra: None,
-    }))
+    Ok(Message::Begin(Begin { commit_watermark: w.into(), extra: None }))
 }
 fn insert(id: i64) -> Result<Message, String> {
-    Ok(Message::Insert(Insert {
-        relation: 0,
-        new: vec![Value::Int(id)],
-    }))
+    Ok(Message::Insert(Insert { relation: 0, new: vec![Value::Int(id)] }))
 }
 fn commit(w: &str) -> Result<Message, String> {
-    Ok(Message::Commit(Commit {
-        watermark: w.into(),
-        extra: Some(r#"{"extra":"fields"}"#.into()),
-    }))
+    Ok(Message::Commit(Commit { watermark: w.into(), extra: Some(r#"{"extra":"fields"}"#.into()) }))
 }
 fn status(w: &str, ack: bool) -> Result<Message, String> {
-    Ok(Message::Status(Status {
-        watermark: w.into(),
-        ack,
-    }))
+    Ok(Message::Status(Status { watermark: w.into(), ack }))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -295,26 +217,16 @@ async fn data_before_begin_stops_the_service() {
     let h = start(dir.path(), Box::new(src), StreamerOptions::default());
     let err = h.task.await.unwrap().unwrap_err().to_string();
     assert_eq!(err, "data change (insert) received before 'begin' message");
-    assert_eq!(
-        rows(&dir.path().join("log.db")).len(),
-        2,
-        "only the seed rows"
-    );
+    assert_eq!(rows(&dir.path().join("log.db")).len(), 2, "only the seed rows");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mismatched_commit_watermark_stops_the_service() {
     let dir = tmp();
-    let src = Scripted::new(vec![(
-        "01",
-        vec![relation(), begin("0b"), insert(1), commit("0c")],
-    )]);
+    let src = Scripted::new(vec![("01", vec![relation(), begin("0b"), insert(1), commit("0c")])]);
     let h = start(dir.path(), Box::new(src), StreamerOptions::default());
     let err = h.task.await.unwrap().unwrap_err().to_string();
-    assert_eq!(
-        err,
-        "commit watermark 0c does not match 'begin' watermark 0b"
-    );
+    assert_eq!(err, "commit watermark 0c does not match 'begin' watermark 0b");
     assert_eq!(rows(&dir.path().join("log.db")).len(), 2);
 }
 
@@ -334,11 +246,7 @@ async fn acks_commits_once_durable_and_echoes_statuses_after_them() {
             status("0d", true),
         ],
     )]);
-    let h = start(
-        dir.path(),
-        Box::new(src.clone()),
-        StreamerOptions::default(),
-    );
+    let h = start(dir.path(), Box::new(src.clone()), StreamerOptions::default());
     let acks = src.clone();
     wait_until("acks", WAIT, || {
         let n = acks.acks().len();
@@ -349,10 +257,7 @@ async fn acks_commits_once_durable_and_echoes_statuses_after_them() {
     assert_eq!(src.acks(), ["09", "0d"]);
     let db = dir.path().join("log.db");
     let rows = rows(&db);
-    let tags: Vec<(&str, i64, &str)> = rows
-        .iter()
-        .map(|r| (r.watermark.as_str(), r.pos, r.tag.as_str()))
-        .collect();
+    let tags: Vec<(&str, i64, &str)> = rows.iter().map(|r| (r.watermark.as_str(), r.pos, r.tag.as_str())).collect();
     assert_eq!(
         tags,
         [
@@ -386,18 +291,10 @@ async fn a_stream_failing_mid_transaction_is_reopened_at_the_durable_watermark()
         ),
         ("01", vec![relation(), begin("09"), insert(2), commit("09")]),
     ]);
-    let h = start(
-        dir.path(),
-        Box::new(src.clone()),
-        StreamerOptions::default(),
-    );
+    let h = start(dir.path(), Box::new(src.clone()), StreamerOptions::default());
     h.wait_for_watermark("09", WAIT).await;
     h.stop().await.unwrap();
-    assert_eq!(
-        src.opens()[..2],
-        [None, Some("05".to_string())],
-        "a new log opens from the start"
-    );
+    assert_eq!(src.opens()[..2], [None, Some("05".to_string())], "a new log opens from the start");
     let db = dir.path().join("log.db");
     assert_eq!(committed(&db), ["05", "09"]);
     assert_whole_transactions(&db);
@@ -407,29 +304,9 @@ async fn a_stream_failing_mid_transaction_is_reopened_at_the_durable_watermark()
 async fn replayed_transactions_are_skipped_not_duplicated() {
     let dir = tmp();
     let src = Scripted::new(vec![
-        (
-            "01",
-            vec![
-                relation(),
-                begin("05"),
-                insert(1),
-                commit("05"),
-                Err("drop".into()),
-            ],
-        ),
+        ("01", vec![relation(), begin("05"), insert(1), commit("05"), Err("drop".into())]),
         // A sloppy upstream replays 05 after resuming from it.
-        (
-            "01",
-            vec![
-                relation(),
-                begin("05"),
-                insert(1),
-                commit("05"),
-                begin("07"),
-                insert(2),
-                commit("07"),
-            ],
-        ),
+        ("01", vec![relation(), begin("05"), insert(1), commit("05"), begin("07"), insert(2), commit("07")]),
     ]);
     let h = start(dir.path(), Box::new(src), StreamerOptions::default());
     h.wait_for_watermark("07", WAIT).await;
@@ -440,23 +317,12 @@ async fn replayed_transactions_are_skipped_not_duplicated() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reset_required_is_recorded_and_auto_reset_starts_a_new_lineage() {
     let dir = tmp();
-    let reset = Ok(Message::Control(Control::ResetRequired(Some(
-        "slot dropped".into(),
-    ))));
+    let reset = Ok(Message::Control(Control::ResetRequired(Some("slot dropped".into()))));
     let src = Scripted::new(vec![
-        (
-            "01",
-            vec![relation(), begin("05"), insert(1), commit("05"), reset],
-        ),
-        (
-            "0z",
-            vec![relation(), begin("110"), insert(1), commit("110")],
-        ),
+        ("01", vec![relation(), begin("05"), insert(1), commit("05"), reset]),
+        ("0z", vec![relation(), begin("110"), insert(1), commit("110")]),
     ]);
-    let options = StreamerOptions {
-        auto_reset: true,
-        ..StreamerOptions::default()
-    };
+    let options = StreamerOptions { auto_reset: true, ..StreamerOptions::default() };
     let h = start(dir.path(), Box::new(src.clone()), options);
     h.wait_for_watermark("110", WAIT).await;
     h.stop().await.unwrap();
@@ -468,11 +334,9 @@ async fn reset_required_is_recorded_and_auto_reset_starts_a_new_lineage() {
     assert_eq!(committed(&db), ["110"]);
     let c = rusqlite::Connection::open(&db).unwrap();
     let (rv, reset): (String, bool) = c
-        .query_row(
-            r#"SELECT replicaVersion, resetRequired FROM "replicationConfig""#,
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
+        .query_row(r#"SELECT replicaVersion, resetRequired FROM "replicationConfig""#, [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
         .unwrap();
     assert_eq!((rv.as_str(), reset), ("0z", false));
 }
@@ -483,53 +347,33 @@ async fn reset_required_without_auto_reset_is_recorded_and_streaming_goes_on() {
     let reset = Ok(Message::Control(Control::ResetRequired(None)));
     let src = Scripted::new(vec![(
         "01",
-        vec![
-            relation(),
-            begin("05"),
-            insert(1),
-            commit("05"),
-            reset,
-            begin("07"),
-            insert(2),
-            commit("07"),
-        ],
+        vec![relation(), begin("05"), insert(1), commit("05"), reset, begin("07"), insert(2), commit("07")],
     )]);
     let h = start(dir.path(), Box::new(src), StreamerOptions::default());
     h.wait_for_watermark("07", WAIT).await;
     assert!(h.status.snapshot().reset_required);
     h.stop().await.unwrap();
     let c = rusqlite::Connection::open(dir.path().join("log.db")).unwrap();
-    let reset: bool = c
-        .query_row(
-            r#"SELECT resetRequired FROM "replicationConfig""#,
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let reset: bool = c.query_row(r#"SELECT resetRequired FROM "replicationConfig""#, [], |r| r.get(0)).unwrap();
     assert!(reset);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_different_replica_version_resets_the_log() {
     let dir = tmp();
-    let first = Scripted::new(vec![(
-        "01",
-        vec![relation(), begin("05"), insert(1), commit("05")],
-    )]);
+    let first = Scripted::new(vec![("01", vec![relation(), begin("05"), insert(1), commit("05")])]);
     let h = start(dir.path(), Box::new(first), StreamerOptions::default());
     h.wait_for_watermark("05", WAIT).await;
     h.stop().await.unwrap();
 
-    let second = Scripted::new(vec![(
-        "02",
-        vec![relation(), begin("03"), insert(9), commit("03")],
-    )]);
-    let h = start(
-        dir.path(),
-        Box::new(second.clone()),
-        StreamerOptions::default(),
-    );
-    h.wait_for_watermark("03", WAIT).await;
+    let second = Scripted::new(vec![("02", vec![relation(), begin("03"), insert(9), commit("03")])]);
+    let h = start(dir.path(), Box::new(second.clone()), StreamerOptions::default());
+    let status = h.status.clone();
+    wait_until("the new lineage at 03", WAIT, || {
+        let s = status.snapshot();
+        async move { s.replica_version.as_deref() == Some("02") && s.last_watermark.as_deref() == Some("03") }
+    })
+    .await;
     h.stop().await.unwrap();
     // First opened at the old position, then from scratch in the new lineage.
     assert_eq!(second.opens()[..2], [Some("05".to_string()), None]);
@@ -553,55 +397,22 @@ async fn bad_plugin_files_are_reported_and_the_rest_load() {
     std::fs::write(plugins.join("newer.wasm"), newer).unwrap();
     std::fs::write(plugins.join("ignored.txt"), b"not a plugin").unwrap();
 
-    let registry = Registry::load(&plugins, Some(dir.path().join("cache")))
-        .await
-        .unwrap();
+    let registry = Registry::load(&plugins, Some(dir.path().join("cache"))).await.unwrap();
     let infos: Vec<_> = registry.infos().cloned().collect();
-    let by = |n: &str| {
-        infos
-            .iter()
-            .find(|i| i.name == n)
-            .unwrap_or_else(|| panic!("{n} listed"))
-    };
+    let by = |n: &str| infos.iter().find(|i| i.name == n).unwrap_or_else(|| panic!("{n} listed"));
     assert_eq!(infos.len(), 4, "only *.wasm files");
     assert_eq!(by("good").error, None);
     assert_eq!(by("good").wit_version.as_deref(), Some("0.1.0"));
-    assert!(by("garbage")
-        .error
-        .as_deref()
-        .unwrap()
-        .contains("not a WebAssembly file"));
-    assert!(by("core")
-        .error
-        .as_deref()
-        .unwrap()
-        .contains("core WebAssembly module, not a component"));
+    assert!(by("garbage").error.as_deref().unwrap().contains("not a WebAssembly file"));
+    assert!(by("core").error.as_deref().unwrap().contains("core WebAssembly module, not a component"));
     let newer = by("newer").error.as_deref().unwrap();
-    assert!(
-        newer.contains("speaks sluice:plugin@0.2.0, but this host speaks sluice:plugin@0.1.x"),
-        "{newer}"
-    );
-    assert!(registry
-        .source(
-            "garbage",
-            "{}".into(),
-            Limits::default(),
-            Default::default()
-        )
-        .is_err());
-    let err = registry
-        .source("nope", "{}".into(), Limits::default(), Default::default())
-        .err()
-        .unwrap();
-    assert!(
-        err.contains("unknown source \"nope\"") && err.contains("good"),
-        "{err}"
-    );
+    assert!(newer.contains("speaks sluice:plugin@0.2.0, but this host speaks sluice:plugin@0.1.x"), "{newer}");
+    assert!(registry.source("garbage", "{}".into(), Limits::default(), Default::default()).is_err());
+    let err = registry.source("nope", "{}".into(), Limits::default(), Default::default()).err().unwrap();
+    assert!(err.contains("unknown source \"nope\"") && err.contains("good"), "{err}");
 
     // A second load comes from the compiled-code cache.
-    let again = Registry::load(&plugins, Some(dir.path().join("cache")))
-        .await
-        .unwrap();
+    let again = Registry::load(&plugins, Some(dir.path().join("cache"))).await.unwrap();
     assert!(again.infos().find(|i| i.name == "good").unwrap().cached);
 }
 
@@ -649,21 +460,10 @@ fn bad_source_config_and_unknown_source_exit_with_a_clear_error() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("error: --source-config is not valid JSON"),
-        "{err}"
-    );
+    assert!(err.contains("error: --source-config is not valid JSON"), "{err}");
 
     let out = sluice()
-        .args([
-            "run",
-            "--source",
-            "nope",
-            "--change-db",
-            &db,
-            "--listen",
-            "127.0.0.1:0",
-        ])
+        .args(["run", "--source", "nope", "--change-db", &db, "--listen", "127.0.0.1:0"])
         .arg("--plugins")
         .arg(&plugins)
         .output()
@@ -672,18 +472,11 @@ fn bad_source_config_and_unknown_source_exit_with_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("unknown source \"nope\""), "{err}");
 
-    let out = sluice()
-        .arg("plugins")
-        .arg("--plugins")
-        .arg(&plugins)
-        .output()
-        .unwrap();
+    let out = sluice().arg("plugins").arg("--plugins").arg(&plugins).output().unwrap();
     assert!(out.status.success());
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(
-        table
-            .lines()
-            .any(|l| l.starts_with("mock-source") && l.contains("source") && l.contains("0.1.0")),
+        table.lines().any(|l| l.starts_with("mock-source") && l.contains("source") && l.contains("0.1.0")),
         "{table}"
     );
 }
@@ -709,15 +502,7 @@ fn status_watermark(addr: &str) -> Option<String> {
 
 fn spawn_host(db: &Path, addr: &str, config: &str) -> std::process::Child {
     sluice()
-        .args([
-            "run",
-            "--source",
-            "mock-source",
-            "--source-config",
-            config,
-            "--listen",
-            addr,
-        ])
+        .args(["run", "--source", "mock-source", "--source-config", config, "--listen", addr])
         .arg("--plugins")
         .arg(plugin_dir())
         .arg("--change-db")
@@ -744,11 +529,7 @@ async fn a_killed_host_resumes_at_the_right_watermark() {
     host.kill().unwrap(); // SIGKILL: no chance to drain
     host.wait().unwrap();
     let before = committed(&db);
-    assert!(
-        before.len() >= 50 && before.len() < 400,
-        "killed mid-stream ({} stored)",
-        before.len()
-    );
+    assert!(before.len() >= 50 && before.len() < 400, "killed mid-stream ({} stored)", before.len());
 
     let addr = free_port();
     let mut host = spawn_host(&db, &addr, config);
@@ -765,10 +546,6 @@ async fn a_killed_host_resumes_at_the_right_watermark() {
     assert_eq!(http_get(&addr, "/keepalive").as_deref(), Some("OK"));
     host.kill().unwrap();
     host.wait().unwrap();
-    assert_eq!(
-        committed(&db),
-        all(400),
-        "every transaction exactly once across the kill"
-    );
+    assert_eq!(committed(&db), all(400), "every transaction exactly once across the kill");
     assert_whole_transactions(&db);
 }

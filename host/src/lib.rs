@@ -4,12 +4,18 @@
 //! (durable change log in `storage`) and, in later layers, to subscribers.
 //! Plugins sit at the edge in `plugin`.
 
+pub mod catchup;
 pub mod change;
-pub mod http;
+pub mod cleanup;
+pub mod forwarder;
+pub mod hub;
 pub mod plugin;
+pub mod server;
 pub mod source;
 pub mod status;
 pub mod storage;
 pub mod storer;
 pub mod streamer;
+pub mod subscriber;
+pub mod tail;
 pub mod watermark;

@@ -9,18 +9,17 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tokio::sync::watch;
 
+use sluice::cleanup::CleanupOptions;
+use sluice::hub::Hub;
 use sluice::plugin::{Limits, NetGrant, Registry};
+use sluice::server::AppState;
 use sluice::status::Status;
-use sluice::storage::sqlite::{Durability, SqliteChangeLog};
+use sluice::storage::sqlite::{Durability, SqliteChangeLog, SqliteReader};
 use sluice::storer::StorerOptions;
 use sluice::streamer::{Streamer, StreamerOptions};
 
 #[derive(Parser)]
-#[command(
-    name = "sluice",
-    version,
-    about = "A pluggable change streamer that speaks Zero's change-streamer protocol"
-)]
+#[command(name = "sluice", version, about = "A pluggable change streamer that speaks Zero's change-streamer protocol")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -30,6 +29,23 @@ struct Cli {
 enum Command {
     /// Replicate from a source into the change log and serve subscribers.
     Run(Box<RunArgs>),
+    /// Subscribe to a Sluice (or Zero change-streamer) and print the stream.
+    Tail {
+        /// `ws://HOST:PORT` of the server.
+        url: String,
+        /// Start after this watermark (default: the earliest the server has).
+        #[arg(long)]
+        watermark: Option<String>,
+        /// The replica version (default: the server's).
+        #[arg(long)]
+        replica_version: Option<String>,
+        /// Exit after this many commits.
+        #[arg(long)]
+        max_tx: Option<u64>,
+        /// Print each message as raw JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// List the plugins in a directory and whether they load.
     Plugins {
         #[arg(long, default_value = "target/plugins")]
@@ -86,22 +102,33 @@ struct RunArgs {
     /// Bytes of changes that may wait for storage before the source is paused, in MiB.
     #[arg(long, default_value_t = 32)]
     queue_budget_mb: usize,
+    /// Seconds between purges of the change log.
+    #[arg(long, default_value_t = 30)]
+    purge_interval_secs: u64,
+    /// Always keep at least the newest N transactions.
+    #[arg(long)]
+    retain_transactions: Option<u64>,
+    /// Always keep the transactions stored within the last N seconds.
+    #[arg(long)]
+    retain_secs: Option<u64>,
+    /// Close a subscriber that lags continuously for this long (0: never).
+    #[arg(long, default_value_t = 30)]
+    lag_grace_secs: u64,
+    /// Backlog a catching-up subscriber may accumulate, in MiB.
+    #[arg(long, default_value_t = 16)]
+    backlog_mb: usize,
 }
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                tracing_subscriber::EnvFilter::new("info,wasmtime=warn,cranelift=warn")
-            }),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,wasmtime=warn,cranelift=warn")),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -112,6 +139,9 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run(args) => run(*args).await,
             Command::Plugins { plugins, cache_dir } => list_plugins(plugins, cache_dir).await,
+            Command::Tail { url, watermark, replica_version, max_tx, json } => {
+                sluice::tail::run(sluice::tail::TailOptions { url, watermark, replica_version, max_tx, json }).await
+            }
         }
     });
     match result {
@@ -125,7 +155,9 @@ fn main() -> ExitCode {
 
 fn sqlite_path(change_db: &str) -> anyhow::Result<PathBuf> {
     if change_db.starts_with("postgres://") || change_db.starts_with("postgresql://") {
-        anyhow::bail!("--change-db {change_db}: a Postgres change DB is not supported by this build yet; use sqlite:PATH");
+        anyhow::bail!(
+            "--change-db {change_db}: a Postgres change DB is not supported by this build yet; use sqlite:PATH"
+        );
     }
     let path = change_db.strip_prefix("sqlite:").unwrap_or(change_db);
     anyhow::ensure!(!path.is_empty(), "--change-db sqlite: needs a file path");
@@ -134,12 +166,10 @@ fn sqlite_path(change_db: &str) -> anyhow::Result<PathBuf> {
 
 fn read_source_config(arg: &str) -> anyhow::Result<String> {
     let text = match arg.strip_prefix('@') {
-        Some(file) => std::fs::read_to_string(file)
-            .with_context(|| format!("reading --source-config file {file}"))?,
+        Some(file) => std::fs::read_to_string(file).with_context(|| format!("reading --source-config file {file}"))?,
         None => arg.to_string(),
     };
-    serde_json::from_str::<serde_json::Value>(&text)
-        .with_context(|| "--source-config is not valid JSON")?;
+    serde_json::from_str::<serde_json::Value>(&text).with_context(|| "--source-config is not valid JSON")?;
     Ok(text)
 }
 
@@ -147,9 +177,7 @@ fn resolve_net(allow: &[String]) -> anyhow::Result<NetGrant> {
     use std::net::ToSocketAddrs;
     let mut connect = Vec::new();
     for a in allow {
-        let addrs = a
-            .to_socket_addrs()
-            .with_context(|| format!("--allow-net {a}: not a HOST:PORT that resolves"))?;
+        let addrs = a.to_socket_addrs().with_context(|| format!("--allow-net {a}: not a HOST:PORT that resolves"))?;
         connect.extend(addrs);
     }
     Ok(NetGrant { connect })
@@ -168,40 +196,41 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         call_deadline: Duration::from_millis(args.plugin_deadline_ms),
         memory_bytes: args.plugin_memory_mb << 20,
     };
-    let data_dir = log_path
-        .parent()
-        .map(|p| p.to_path_buf())
-        .unwrap_or_default();
-    let cache_dir = args
-        .cache_dir
-        .clone()
-        .unwrap_or_else(|| data_dir.join(".cache"));
+    let data_dir = log_path.parent().map(|p| p.to_path_buf()).unwrap_or_default();
+    let cache_dir = args.cache_dir.clone().unwrap_or_else(|| data_dir.join(".cache"));
     let registry = Registry::load(&args.plugins, Some(cache_dir)).await?;
-    let source = registry
-        .source(&args.source, config, limits, net)
-        .map_err(anyhow::Error::msg)?;
+    let source = registry.source(&args.source, config, limits, net).map_err(anyhow::Error::msg)?;
     let log = SqliteChangeLog::open(&log_path, durability)?;
 
     let status = Arc::new(Status::default());
+    let hub = Hub::new(Arc::new(SqliteReader::new(&log_path)), status.clone());
     let (stop_tx, stop_rx) = watch::channel(false);
-    let (addr, serve) = sluice::http::bind(
-        &args.listen,
-        sluice::http::router(status.clone()),
-        stop_rx.clone(),
-    )
-    .await?;
-    let options = StreamerOptions {
-        storer: StorerOptions {
-            queue_budget: args.queue_budget_mb << 20,
-            ..StorerOptions::default()
+    let app = AppState {
+        hub: hub.clone(),
+        status: status.clone(),
+        subscriber_limits: sluice::subscriber::Limits {
+            backlog_bytes: args.backlog_mb << 20,
+            ..sluice::subscriber::Limits::default()
         },
+        ping_interval: Duration::from_secs(30),
+    };
+    let (addr, serve) = sluice::server::bind(&args.listen, sluice::server::router(app), stop_rx.clone()).await?;
+    let cleanup = CleanupOptions {
+        purge_interval: Duration::from_secs(args.purge_interval_secs.max(1)),
+        retain_transactions: args.retain_transactions,
+        retain_for: args.retain_secs.map(Duration::from_secs),
+        lag_grace: (args.lag_grace_secs > 0).then(|| Duration::from_secs(args.lag_grace_secs)),
+    };
+    tokio::spawn(sluice::cleanup::run(hub.clone(), status.clone(), cleanup, stop_rx.clone()));
+    let options = StreamerOptions {
+        storer: StorerOptions { queue_budget: args.queue_budget_mb << 20, ..StorerOptions::default() },
         auto_reset: args.auto_reset,
         task_id: args.task_id.clone(),
         advertise: args.advertise.clone().unwrap_or_else(|| addr.to_string()),
         ..StreamerOptions::default()
     };
     tracing::info!(
-        "sluice listening on http://{addr} (status: http://{addr}/status); change log {}",
+        "sluice listening on ws://{addr}/replication/v6/changes (status: http://{addr}/status); change log {}",
         log_path.display()
     );
     let server = tokio::spawn(serve);
@@ -210,7 +239,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         tracing::info!("shutting down");
         let _ = stop_tx.send(true);
     });
-    let streamer = Streamer::new(Box::new(source), Box::new(log), options, status);
+    let streamer = Streamer::new(Box::new(source), Box::new(log), hub, options, status);
     let result = streamer.run(stop_rx).await;
     server.abort();
     result
@@ -220,14 +249,13 @@ async fn wait_for_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}
@@ -238,15 +266,8 @@ async fn wait_for_signal() {
 }
 
 async fn list_plugins(dir: PathBuf, cache_dir: Option<PathBuf>) -> anyhow::Result<()> {
-    let registry = Registry::load(
-        &dir,
-        cache_dir.or_else(|| Some(PathBuf::from("sluice-data/.cache"))),
-    )
-    .await?;
-    println!(
-        "{:<24} {:<8} {:<8} {:<40} ERROR",
-        "NAME", "KIND", "WIT", "FILE"
-    );
+    let registry = Registry::load(&dir, cache_dir.or_else(|| Some(PathBuf::from("sluice-data/.cache")))).await?;
+    println!("{:<24} {:<8} {:<8} {:<40} ERROR", "NAME", "KIND", "WIT", "FILE");
     for p in registry.infos() {
         println!(
             "{:<24} {:<8} {:<8} {:<40} {}",

@@ -15,9 +15,11 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::sync::{mpsc, Notify};
 
+use crate::catchup;
 use crate::change::{Change, Kind};
 use crate::status::Status;
-use crate::storage::{ChangeLog, LogRow};
+use crate::storage::{ChangeLog, LogReader, LogRow};
+use crate::subscriber::Subscriber;
 
 /// Tuning of the storer.
 #[derive(Debug, Clone, Copy)]
@@ -34,12 +36,7 @@ pub struct StorerOptions {
 
 impl Default for StorerOptions {
     fn default() -> Self {
-        StorerOptions {
-            queue_budget: 32 << 20,
-            batch_rows: 2000,
-            group_bytes: 8 << 20,
-            group_transactions: 1000,
-        }
+        StorerOptions { queue_budget: 32 << 20, batch_rows: 2000, group_bytes: 8 << 20, group_transactions: 1000 }
     }
 }
 
@@ -51,6 +48,19 @@ enum Command {
     /// The stream ended inside a transaction: drop what was written of it.
     Abort,
     MarkResetRequired,
+    /// Catch a subscriber up once everything queued before it is durable.
+    Catchup(Arc<Subscriber>, String),
+}
+
+/// Lets the hub queue catch-ups in stream order.
+#[derive(Clone)]
+pub struct CatchupQueue(mpsc::UnboundedSender<Command>);
+
+impl CatchupQueue {
+    /// False when the storer has already exited.
+    pub fn push(&self, sub: Arc<Subscriber>, replica_version: String) -> bool {
+        self.0.send(Command::Catchup(sub, replica_version)).is_ok()
+    }
 }
 
 /// Bytes queued between the loop and the storer, with a gate for the loop.
@@ -99,22 +109,23 @@ impl Storer {
     /// Starts a storer over `log`. Durable commit watermarks are sent to `durable`.
     pub fn start(
         log: Box<dyn ChangeLog>,
+        reader: Arc<dyn LogReader>,
         options: StorerOptions,
         durable: mpsc::UnboundedSender<Arc<str>>,
         status: Arc<Status>,
     ) -> Storer {
         let (commands, rx) = mpsc::unbounded_channel();
-        let budget = Arc::new(Budget {
-            queued: AtomicUsize::new(0),
-            limit: options.queue_budget,
-            drained: Notify::new(),
-        });
+        let budget =
+            Arc::new(Budget { queued: AtomicUsize::new(0), limit: options.queue_budget, drained: Notify::new() });
         let worker_budget = budget.clone();
         let exited = Arc::new(Exited::default());
         let worker_exited = exited.clone();
         let thread = tokio::task::spawn_blocking(move || {
-            let mut worker = Worker::new(log, options, durable, status, worker_budget);
+            let mut worker = Worker::new(log, reader, options, durable, status, worker_budget);
             let result = worker.run(rx);
+            for (sub, _) in worker.catchups.drain(..) {
+                sub.close(None);
+            }
             if result.is_err() {
                 if let Err(e) = worker.log.rollback() {
                     tracing::warn!("rolling back the change log after an error: {e:#}");
@@ -126,29 +137,20 @@ impl Storer {
             worker_exited.flag.store(true, Ordering::Release);
             worker_exited.notify.notify_waiters();
             worker.budget.drained.notify_waiters();
-            StorerExit {
-                log: worker.log,
-                result,
-            }
+            StorerExit { log: worker.log, result }
         });
-        Storer {
-            commands,
-            budget,
-            thread,
-            exited,
-        }
+        Storer { commands, budget, thread, exited }
+    }
+
+    pub fn catchup_queue(&self) -> CatchupQueue {
+        CatchupQueue(self.commands.clone())
     }
 
     /// Queues a change of the transaction at `watermark`. Never blocks.
     pub fn store(&self, watermark: &Arc<str>, change: &Change) {
-        self.budget
-            .queued
-            .fetch_add(change.json.len(), Ordering::AcqRel);
+        self.budget.queued.fetch_add(change.json.len(), Ordering::AcqRel);
         // A send fails only once the thread has exited; `finished` reports why.
-        let _ = self.commands.send(Command::Change {
-            watermark: watermark.clone(),
-            change: change.clone(),
-        });
+        let _ = self.commands.send(Command::Change { watermark: watermark.clone(), change: change.clone() });
     }
 
     pub fn abort(&self) {
@@ -194,10 +196,7 @@ impl Storer {
         drop(self.commands);
         match tokio::time::timeout(drain_timeout, self.thread).await {
             Ok(exit) => exit.context("storer thread panicked"),
-            Err(_) => anyhow::bail!(
-                "change log did not drain within {} ms",
-                drain_timeout.as_millis()
-            ),
+            Err(_) => anyhow::bail!("change log did not drain within {} ms", drain_timeout.as_millis()),
         }
     }
 }
@@ -212,6 +211,9 @@ struct PendingRow {
 
 struct Worker {
     log: Box<dyn ChangeLog>,
+    reader: Arc<dyn LogReader>,
+    /// Subscribers waiting for the open transaction to end.
+    catchups: Vec<(Arc<Subscriber>, String)>,
     options: StorerOptions,
     durable: mpsc::UnboundedSender<Arc<str>>,
     status: Arc<Status>,
@@ -233,6 +235,7 @@ struct Worker {
 impl Worker {
     fn new(
         log: Box<dyn ChangeLog>,
+        reader: Arc<dyn LogReader>,
         options: StorerOptions,
         durable: mpsc::UnboundedSender<Arc<str>>,
         status: Arc<Status>,
@@ -240,6 +243,8 @@ impl Worker {
     ) -> Self {
         Worker {
             log,
+            reader,
+            catchups: Vec::new(),
             options,
             durable,
             status,
@@ -282,12 +287,16 @@ impl Worker {
                     result?;
                 }
                 Command::Abort => self.abort_current()?,
+                Command::Catchup(sub, rv) => self.catchups.push((sub, rv)),
                 Command::MarkResetRequired => {
                     if self.storage_open && self.current.is_none() {
                         self.commit_group()?;
                     }
                     self.log.mark_reset_required()?;
                 }
+            }
+            if !self.catchups.is_empty() && self.current.is_none() {
+                self.start_catchups()?;
             }
         }
         // The loop stopped: keep the complete transactions, drop a partial one.
@@ -301,10 +310,7 @@ impl Worker {
     fn apply(&mut self, watermark: Arc<str>, change: Change) -> anyhow::Result<()> {
         match change.kind {
             Kind::Begin => {
-                anyhow::ensure!(
-                    self.current.is_none(),
-                    "begin {watermark} while a transaction is open"
-                );
+                anyhow::ensure!(self.current.is_none(), "begin {watermark} while a transaction is open");
                 let savepoint = if self.storage_open {
                     self.log.savepoint()?;
                     true
@@ -314,28 +320,16 @@ impl Worker {
                     false
                 };
                 self.current = Some((watermark.clone(), 1, savepoint));
-                self.push_row(PendingRow {
-                    watermark,
-                    pos: 0,
-                    change,
-                    precommit: None,
-                });
+                self.push_row(PendingRow { watermark, pos: 0, change, precommit: None });
             }
             Kind::Data => {
                 let Some((tx_watermark, pos, _)) = self.current.as_mut() else {
                     anyhow::bail!("{} change outside a transaction", change.tag);
                 };
-                let row = PendingRow {
-                    watermark: tx_watermark.clone(),
-                    pos: *pos,
-                    change,
-                    precommit: None,
-                };
+                let row = PendingRow { watermark: tx_watermark.clone(), pos: *pos, change, precommit: None };
                 *pos += 1;
                 self.push_row(row);
-                if self.rows.len() >= self.options.batch_rows
-                    || self.rows_bytes >= self.options.group_bytes
-                {
+                if self.rows.len() >= self.options.batch_rows || self.rows_bytes >= self.options.group_bytes {
                     self.flush_rows()?;
                 }
             }
@@ -343,12 +337,7 @@ impl Worker {
                 let Some((tx_watermark, pos, savepoint)) = self.current.take() else {
                     anyhow::bail!("commit {watermark} outside a transaction");
                 };
-                self.push_row(PendingRow {
-                    watermark: watermark.clone(),
-                    pos,
-                    change,
-                    precommit: Some(tx_watermark),
-                });
+                self.push_row(PendingRow { watermark: watermark.clone(), pos, change, precommit: Some(tx_watermark) });
                 self.flush_rows()?;
                 if savepoint {
                     self.log.release_savepoint()?;
@@ -364,6 +353,25 @@ impl Worker {
                 }
             }
             Kind::Rollback => self.abort_current()?,
+        }
+        Ok(())
+    }
+
+    /// Between transactions: make everything so far durable, then pin a
+    /// snapshot for each waiting subscriber. The snapshot holds exactly what
+    /// was forwarded before the subscriber was added.
+    fn start_catchups(&mut self) -> anyhow::Result<()> {
+        if self.storage_open {
+            self.commit_group()?;
+        }
+        for (sub, rv) in self.catchups.drain(..) {
+            match self.reader.snapshot() {
+                Ok(snapshot) => catchup::start(snapshot, sub, rv),
+                Err(e) => {
+                    tracing::warn!(subscriber = %sub.id, "cannot read the change log for catch-up: {e:#}");
+                    sub.close(None);
+                }
+            }
         }
         Ok(())
     }
@@ -430,9 +438,7 @@ impl Worker {
             }
             return Ok(());
         };
-        self.log
-            .commit(&last)
-            .with_context(|| format!("committing the change log through {last}"))?;
+        self.log.commit(&last).with_context(|| format!("committing the change log through {last}"))?;
         self.storage_open = false;
         let (txs, changes) = (self.group_transactions as u64, self.group_changes);
         self.reset_group();

@@ -53,17 +53,10 @@ pub struct Row {
 
 pub fn rows(db: &Path) -> Vec<Row> {
     let c = Connection::open(db).unwrap();
-    let mut stmt = c
-        .prepare(r#"SELECT watermark, pos, tag, change, precommit FROM "changeLog" ORDER BY watermark, pos"#)
-        .unwrap();
+    let mut stmt =
+        c.prepare(r#"SELECT watermark, pos, tag, change, precommit FROM "changeLog" ORDER BY watermark, pos"#).unwrap();
     stmt.query_map([], |r| {
-        Ok(Row {
-            watermark: r.get(0)?,
-            pos: r.get(1)?,
-            tag: r.get(2)?,
-            change: r.get(3)?,
-            precommit: r.get(4)?,
-        })
+        Ok(Row { watermark: r.get(0)?, pos: r.get(1)?, tag: r.get(2)?, change: r.get(3)?, precommit: r.get(4)? })
     })
     .unwrap()
     .collect::<Result<_, _>>()
@@ -72,19 +65,12 @@ pub fn rows(db: &Path) -> Vec<Row> {
 
 pub fn last_watermark(db: &Path) -> String {
     let c = Connection::open(db).unwrap();
-    c.query_row(r#"SELECT lastWatermark FROM "replicationState""#, [], |r| {
-        r.get(0)
-    })
-    .unwrap()
+    c.query_row(r#"SELECT lastWatermark FROM "replicationState""#, [], |r| r.get(0)).unwrap()
 }
 
 /// Distinct commit watermarks in the log, in order (excluding the seed).
 pub fn committed(db: &Path) -> Vec<String> {
-    rows(db)
-        .into_iter()
-        .filter(|r| r.tag == "commit" && r.pos > 1)
-        .map(|r| r.watermark)
-        .collect()
+    rows(db).into_iter().filter(|r| r.tag == "commit" && r.pos > 1).map(|r| r.watermark).collect()
 }
 
 /// Checks that every transaction in the log is whole: begin at pos 0,
@@ -96,11 +82,7 @@ pub fn assert_whole_transactions(db: &Path) {
         let w = &all[i].watermark;
         let tx: Vec<&Row> = all[i..].iter().take_while(|r| &r.watermark == w).collect();
         assert_eq!(tx[0].tag, "begin", "transaction {w} starts with begin");
-        assert_eq!(
-            tx.last().unwrap().tag,
-            "commit",
-            "transaction {w} ends with commit"
-        );
+        assert_eq!(tx.last().unwrap().tag, "commit", "transaction {w} ends with commit");
         for (p, r) in tx.iter().enumerate() {
             assert_eq!(r.pos, p as i64, "transaction {w} positions are consecutive");
         }
@@ -118,37 +100,20 @@ pub struct Harness {
 }
 
 pub async fn start_mock(dir: &Path, config: serde_json::Value, limits: Limits) -> Harness {
-    let registry = Registry::load(&plugin_dir(), Some(dir.join("cache")))
-        .await
-        .unwrap();
-    let source = registry
-        .source(
-            "mock-source",
-            config.to_string(),
-            limits,
-            NetGrant::default(),
-        )
-        .unwrap();
+    let registry = Registry::load(&plugin_dir(), Some(dir.join("cache"))).await.unwrap();
+    let source = registry.source("mock-source", config.to_string(), limits, NetGrant::default()).unwrap();
     start(dir, Box::new(source), StreamerOptions::default())
 }
 
-pub fn start(
-    dir: &Path,
-    source: Box<dyn sluice::source::ChangeSource>,
-    options: StreamerOptions,
-) -> Harness {
+pub fn start(dir: &Path, source: Box<dyn sluice::source::ChangeSource>, options: StreamerOptions) -> Harness {
     let db = dir.join("log.db");
     let log = SqliteChangeLog::open(&db, Durability::Full).unwrap();
     let status = Arc::new(Status::default());
     let (stop, stop_rx) = watch::channel(false);
-    let streamer = Streamer::new(source, Box::new(log), options, status.clone());
+    let hub = sluice::hub::Hub::new(Arc::new(sluice::storage::sqlite::SqliteReader::new(&db)), status.clone());
+    let streamer = Streamer::new(source, Box::new(log), hub, options, status.clone());
     let task = tokio::spawn(streamer.run(stop_rx));
-    Harness {
-        db,
-        status,
-        stop,
-        task,
-    }
+    Harness { db, status, stop, task }
 }
 
 impl Harness {

@@ -43,7 +43,8 @@ async fn main() -> anyhow::Result<()> {
 
 async fn boundary(registry: &Registry, row_bytes: usize) -> anyhow::Result<()> {
     let config = serde_json::json!({"rows_per_tx": 100, "row_bytes": row_bytes}).to_string();
-    let mut source = registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
+    let mut source =
+        registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
     let mut stream = source.open(None).await?;
     let mut encoder = Encoder::default();
     let target = 300_000usize;
@@ -70,12 +71,14 @@ async fn boundary(registry: &Registry, row_bytes: usize) -> anyhow::Result<()> {
 async fn store(registry: &Registry, tmp: &Path, row_bytes: usize, durability: Durability) -> anyhow::Result<()> {
     let txs: u64 = if row_bytes > 512 { 20_000 } else { 50_000 };
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": row_bytes}).to_string();
-    let source = registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
+    let source =
+        registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
     let db = tmp.join(format!("store-{row_bytes}-{durability:?}.db"));
     let log = SqliteChangeLog::open(&db, durability)?;
     let status = Arc::new(Status::default());
     let (stop, stop_rx) = watch::channel(false);
-    let streamer = Streamer::new(Box::new(source), Box::new(log), StreamerOptions::default(), status.clone());
+    let hub = sluice::hub::Hub::new(Arc::new(sluice::storage::sqlite::SqliteReader::new(&db)), status.clone());
+    let streamer = Streamer::new(Box::new(source), Box::new(log), hub, StreamerOptions::default(), status.clone());
     let started = Instant::now();
     let task = tokio::spawn(streamer.run(stop_rx));
     let last = sluice::watermark::to_lexi(txs as u128);
@@ -88,7 +91,8 @@ async fn store(registry: &Registry, tmp: &Path, row_bytes: usize, durability: Du
     let secs = started.elapsed().as_secs_f64();
     let _ = stop.send(true);
     task.await??;
-    let bytes = std::fs::metadata(&db)?.len() + std::fs::metadata(db.with_extension("db-wal")).map(|m| m.len()).unwrap_or(0);
+    let bytes =
+        std::fs::metadata(&db)?.len() + std::fs::metadata(db.with_extension("db-wal")).map(|m| m.len()).unwrap_or(0);
     println!(
         "row {row_bytes:>5} B, sync {:<6}: {:>8.0} tx/s, {:>9.0} changes/s ({txs} tx in {secs:.2} s, log {} MiB)",
         format!("{durability:?}"),

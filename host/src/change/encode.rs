@@ -60,10 +60,7 @@ impl Encoder {
             }
             Message::Status(s) => {
                 self.buf = out;
-                return Ok(Event::Status {
-                    watermark: s.watermark.clone(),
-                    ack: s.ack,
-                });
+                return Ok(Event::Status { watermark: s.watermark.clone(), ack: s.ack });
             }
             Message::Control(c) => {
                 self.buf = out;
@@ -144,12 +141,7 @@ impl Encoder {
         finish_tuple(&mut out, kind, watermark.unwrap_or(""));
         let json: Arc<str> = Arc::from(out.as_str());
         self.buf = out;
-        Ok(Event::Change(Change {
-            kind,
-            tag,
-            json,
-            inner: start..end,
-        }))
+        Ok(Event::Change(Change { kind, tag, json, inner: start..end }))
     }
 
     fn declare(&mut self, r: &Relation) {
@@ -173,22 +165,14 @@ impl Encoder {
                 k
             })
             .collect();
-        self.relations.insert(
-            r.id,
-            DeclaredRelation {
-                display: format!("{}.{}", r.schema, r.name),
-                json,
-                column_keys,
-            },
-        );
+        self.relations
+            .insert(r.id, DeclaredRelation { display: format!("{}.{}", r.schema, r.name), json, column_keys });
     }
 
     fn relation(&self, id: u32, tag: &str) -> Result<&DeclaredRelation, EncodeError> {
-        self.relations.get(&id).ok_or_else(|| {
-            EncodeError(format!(
-                "{tag} refers to relation {id}, which the stream never declared"
-            ))
-        })
+        self.relations
+            .get(&id)
+            .ok_or_else(|| EncodeError(format!("{tag} refers to relation {id}, which the stream never declared")))
     }
 }
 
@@ -203,8 +187,7 @@ fn key_type(k: KeyType) -> &'static str {
 
 fn push_extra(out: &mut String, extra: Option<&str>, what: &str) -> Result<(), EncodeError> {
     if let Some(text) = extra {
-        let members =
-            json::object_members(text).map_err(|e| EncodeError(format!("{what}.extra: {e}")))?;
+        let members = json::object_members(text).map_err(|e| EncodeError(format!("{what}.extra: {e}")))?;
         if !members.is_empty() {
             out.push(',');
             out.push_str(members);
@@ -213,12 +196,7 @@ fn push_extra(out: &mut String, extra: Option<&str>, what: &str) -> Result<(), E
     Ok(())
 }
 
-fn push_row(
-    out: &mut String,
-    rel: &DeclaredRelation,
-    values: &[Value],
-    what: &str,
-) -> Result<(), EncodeError> {
+fn push_row(out: &mut String, rel: &DeclaredRelation, values: &[Value], what: &str) -> Result<(), EncodeError> {
     if values.len() != rel.column_keys.len() {
         return Err(EncodeError(format!(
             "{what} row for {} has {} values but the relation declares {} columns",
@@ -239,11 +217,7 @@ fn push_row(
         first = false;
         out.push_str(key);
         push_value(out, value).map_err(|e| {
-            EncodeError(format!(
-                "{what} row for {}, column {}: {e}",
-                rel.display,
-                key.trim_end_matches(':')
-            ))
+            EncodeError(format!("{what} row for {}, column {}: {e}", rel.display, key.trim_end_matches(':')))
         })?;
     }
     out.push('}');
@@ -325,11 +299,7 @@ fn push_column_spec(out: &mut String, c: &ColumnSpec) {
         json::push_i64(out, len.into());
     }
     if let Some(nn) = c.not_null {
-        out.push_str(if nn {
-            ",\"notNull\":true"
-        } else {
-            ",\"notNull\":false"
-        });
+        out.push_str(if nn { ",\"notNull\":true" } else { ",\"notNull\":false" });
     }
     if let Some(d) = &c.default {
         out.push_str(",\"dflt\":");
@@ -423,11 +393,7 @@ fn push_schema_change(out: &mut String, s: &SchemaChange) -> Result<(), EncodeEr
             push_str(out, &ix.name);
             out.push_str(",\"tableName\":");
             push_str(out, &ix.table_name);
-            out.push_str(if ix.unique {
-                ",\"unique\":true"
-            } else {
-                ",\"unique\":false"
-            });
+            out.push_str(if ix.unique { ",\"unique\":true" } else { ",\"unique\":false" });
             out.push_str(",\"columns\":{");
             for (i, (col, order)) in ix.columns.iter().enumerate() {
                 if i > 0 {
@@ -477,16 +443,10 @@ mod tests {
         let mut enc = Encoder::default();
         assert!(matches!(enc.encode(rel()).unwrap(), Event::Declared));
         let b = change(
-            enc.encode(Message::Begin(Begin {
-                commit_watermark: "0b".into(),
-                extra: Some("{\"xid\":7}".into()),
-            }))
-            .unwrap(),
+            enc.encode(Message::Begin(Begin { commit_watermark: "0b".into(), extra: Some("{\"xid\":7}".into()) }))
+                .unwrap(),
         );
-        assert_eq!(
-            &*b.json,
-            "[\"begin\",{\"tag\":\"begin\",\"xid\":7},{\"commitWatermark\":\"0b\"}]"
-        );
+        assert_eq!(&*b.json, "[\"begin\",{\"tag\":\"begin\",\"xid\":7},{\"commitWatermark\":\"0b\"}]");
         assert_eq!(b.stored(), "{\"tag\":\"begin\",\"xid\":7}");
         let i = change(
             enc.encode(Message::Insert(Insert {
@@ -509,39 +469,18 @@ mod tests {
         let u = change(
             enc.encode(Message::Update(Update {
                 relation: 3,
-                old: Some(vec![
-                    Value::Int(0),
-                    Value::Absent,
-                    Value::Absent,
-                    Value::Absent,
-                ]),
-                new: vec![
-                    Value::Int(1),
-                    Value::Null,
-                    Value::Absent,
-                    Value::Bytes(vec![0, 255]),
-                ],
+                old: Some(vec![Value::Int(0), Value::Absent, Value::Absent, Value::Absent]),
+                new: vec![Value::Int(1), Value::Null, Value::Absent, Value::Bytes(vec![0, 255])],
             }))
             .unwrap(),
         );
         assert!(
-            u.json.contains(
-                "\"key\":{\"id\":0},\"new\":{\"id\":1,\"big\":null,\"doc\":\"\\\\x00ff\"}"
-            ),
+            u.json.contains("\"key\":{\"id\":0},\"new\":{\"id\":1,\"big\":null,\"doc\":\"\\\\x00ff\"}"),
             "{}",
             u.json
         );
-        let c = change(
-            enc.encode(Message::Commit(Commit {
-                watermark: "0b".into(),
-                extra: None,
-            }))
-            .unwrap(),
-        );
-        assert_eq!(
-            &*c.json,
-            "[\"commit\",{\"tag\":\"commit\"},{\"watermark\":\"0b\"}]"
-        );
+        let c = change(enc.encode(Message::Commit(Commit { watermark: "0b".into(), extra: None })).unwrap());
+        assert_eq!(&*c.json, "[\"commit\",{\"tag\":\"commit\"},{\"watermark\":\"0b\"}]");
         // Everything parses as JSON, and replaying the stored part gives the same bytes.
         for ch in [&b, &i, &u, &c] {
             serde_json::from_str::<serde_json::Value>(&ch.json).unwrap();
@@ -553,43 +492,20 @@ mod tests {
     #[test]
     fn rejects_bad_messages_with_a_reason() {
         let mut enc = Encoder::default();
-        let err = enc
-            .encode(Message::Insert(Insert {
-                relation: 9,
-                new: vec![],
-            }))
-            .unwrap_err();
+        let err = enc.encode(Message::Insert(Insert { relation: 9, new: vec![] })).unwrap_err();
         assert!(err.to_string().contains("relation 9"), "{err}");
         enc.encode(rel()).unwrap();
+        let err = enc.encode(Message::Insert(Insert { relation: 3, new: vec![Value::Int(1)] })).unwrap_err();
+        assert!(err.to_string().contains("has 1 values but the relation declares 4 columns"), "{err}");
         let err = enc
             .encode(Message::Insert(Insert {
                 relation: 3,
-                new: vec![Value::Int(1)],
-            }))
-            .unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("has 1 values but the relation declares 4 columns"),
-            "{err}"
-        );
-        let err = enc
-            .encode(Message::Insert(Insert {
-                relation: 3,
-                new: vec![
-                    Value::Int(1),
-                    Value::Numeric("1e".into()),
-                    Value::Null,
-                    Value::Null,
-                ],
+                new: vec![Value::Int(1), Value::Numeric("1e".into()), Value::Null, Value::Null],
             }))
             .unwrap_err();
         assert!(err.to_string().contains("column \"big\""), "{err}");
-        let err = enc
-            .encode(Message::Begin(Begin {
-                commit_watermark: "01".into(),
-                extra: Some("[1]".into()),
-            }))
-            .unwrap_err();
+        let err =
+            enc.encode(Message::Begin(Begin { commit_watermark: "01".into(), extra: Some("[1]".into()) })).unwrap_err();
         assert!(err.to_string().contains("begin.extra"), "{err}");
     }
 }

@@ -56,9 +56,7 @@ pub fn push_f64(out: &mut String, v: f64) {
 /// whitespace, ready to embed.
 pub fn validate(text: &str) -> Result<&str, String> {
     let trimmed = text.trim();
-    serde_json::from_str::<&RawValue>(trimmed)
-        .map(|raw| raw.get())
-        .map_err(|e| format!("invalid JSON ({e})"))
+    serde_json::from_str::<&RawValue>(trimmed).map(|raw| raw.get()).map_err(|e| format!("invalid JSON ({e})"))
 }
 
 /// Validates `text` as a JSON object and returns its members without braces
@@ -87,12 +85,7 @@ mod tests {
 
     #[test]
     fn strings_are_escaped_as_json() {
-        let samples = [
-            "plain",
-            "quote\" back\\slash",
-            "nl\n tab\t nul\u{0} bell\u{7}",
-            "ünïcødé ✓",
-        ];
+        let samples = ["plain", "quote\" back\\slash", "nl\n tab\t nul\u{0} bell\u{7}", "ünïcødé ✓"];
         for s in samples {
             let mut out = String::new();
             push_str(&mut out, s);

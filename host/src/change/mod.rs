@@ -58,23 +58,13 @@ impl Change {
         json.push_str(stored);
         let end = json.len();
         finish_tuple(&mut json, kind, watermark);
-        Change {
-            kind,
-            tag: static_tag(tag),
-            json: json.into(),
-            inner: start..end,
-        }
+        Change { kind, tag: static_tag(tag), json: json.into(), inner: start..end }
     }
 
     /// The synthetic rollback forwarded when a stream ends inside a transaction.
     pub fn rollback() -> Change {
         let json = "[\"rollback\",{\"tag\":\"rollback\"}]";
-        Change {
-            kind: Kind::Rollback,
-            tag: "rollback",
-            json: json.into(),
-            inner: 12..json.len() - 1,
-        }
+        Change { kind: Kind::Rollback, tag: "rollback", json: json.into(), inner: 12..json.len() - 1 }
     }
 }
 
@@ -145,25 +135,12 @@ mod tests {
     #[test]
     fn begin_and_commit_round_trip_through_the_log() {
         for (tag, json) in [
-            (
-                "begin",
-                "[\"begin\",{\"tag\":\"begin\",\"xid\":7},{\"commitWatermark\":\"0b\"}]",
-            ),
-            (
-                "commit",
-                "[\"commit\",{\"tag\":\"commit\"},{\"watermark\":\"0b\"}]",
-            ),
-            (
-                "insert",
-                "[\"data\",{\"tag\":\"insert\",\"new\":{\"a\":1,\"b\":\"x,y\"}}]",
-            ),
+            ("begin", "[\"begin\",{\"tag\":\"begin\",\"xid\":7},{\"commitWatermark\":\"0b\"}]"),
+            ("commit", "[\"commit\",{\"tag\":\"commit\"},{\"watermark\":\"0b\"}]"),
+            ("insert", "[\"data\",{\"tag\":\"insert\",\"new\":{\"a\":1,\"b\":\"x,y\"}}]"),
         ] {
             let first = json.find(',').unwrap() + 1;
-            let last = if tag == "insert" {
-                json.len() - 1
-            } else {
-                json.rfind(',').unwrap()
-            };
+            let last = if tag == "insert" { json.len() - 1 } else { json.rfind(',').unwrap() };
             let stored = &json[first..last];
             let c = Change::from_stored(tag, stored, "0b");
             assert_eq!(&*c.json, json);

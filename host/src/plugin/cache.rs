@@ -26,9 +26,7 @@ impl CodeCache {
     fn entry(&self, engine: &Engine, bytes: &[u8]) -> Option<PathBuf> {
         let dir = self.dir.as_ref()?;
         let mut engine_hash = std::collections::hash_map::DefaultHasher::new();
-        engine
-            .precompile_compatibility_hash()
-            .hash(&mut engine_hash);
+        engine.precompile_compatibility_hash().hash(&mut engine_hash);
         let mut h = Sha256::new();
         h.update(bytes);
         h.update(engine_hash.finish().to_le_bytes());
@@ -59,17 +57,14 @@ impl CodeCache {
                 }
             }
         }
-        let compiled = engine
-            .precompile_component(bytes)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let compiled = engine.precompile_component(bytes).map_err(|e| anyhow::anyhow!("{e}"))?;
         if let Some(path) = &entry {
             if let Err(e) = write_atomically(path, &compiled) {
                 tracing::warn!(path = %path.display(), "could not write the compiled-code cache: {e:#}");
             }
         }
         // SAFETY: `compiled` was just produced by this engine.
-        let component = unsafe { Component::deserialize(engine, &compiled) }
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let component = unsafe { Component::deserialize(engine, &compiled) }.map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok((component, false))
     }
 }

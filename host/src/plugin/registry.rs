@@ -67,18 +67,9 @@ impl Registry {
 
         let mut plugins = Vec::new();
         for file in files {
-            let name = file
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            let mut info = PluginInfo {
-                name,
-                file: file.clone(),
-                kind: None,
-                wit_version: None,
-                error: None,
-                cached: false,
-            };
+            let name = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let mut info =
+                PluginInfo { name, file: file.clone(), kind: None, wit_version: None, error: None, cached: false };
             let source = match load_one(&engine, &linker, &cache, &mut info).await {
                 Ok(pre) => Some(pre),
                 Err(e) => {
@@ -100,13 +91,7 @@ impl Registry {
     }
 
     /// A source backed by the plugin called `name`.
-    pub fn source(
-        &self,
-        name: &str,
-        config: String,
-        limits: Limits,
-        net: NetGrant,
-    ) -> Result<WasmSource, String> {
+    pub fn source(&self, name: &str, config: String, limits: Limits, net: NetGrant) -> Result<WasmSource, String> {
         let Some(p) = self.plugins.iter().find(|p| p.info.name == name) else {
             let names: Vec<&str> = self
                 .plugins
@@ -122,18 +107,8 @@ impl Registry {
         if let Some(err) = &p.info.error {
             return Err(format!("source plugin {name} failed to load: {err}"));
         }
-        let pre = p
-            .source
-            .clone()
-            .ok_or_else(|| format!("plugin {name} is not a source"))?;
-        Ok(WasmSource::new(
-            self.engine.clone(),
-            name.to_string(),
-            pre,
-            config,
-            limits,
-            net,
-        ))
+        let pre = p.source.clone().ok_or_else(|| format!("plugin {name} is not a source"))?;
+        Ok(WasmSource::new(self.engine.clone(), name.to_string(), pre, config, limits, net))
     }
 }
 
@@ -157,16 +132,13 @@ async fn load_one(
     let (kind, version) = classify(engine, &component)?;
     info.kind = Some(kind);
     info.wit_version = Some(version);
-    let pre = linker.instantiate_pre(&component).map_err(|e| {
-        format!("cannot be linked (it imports something this host does not provide): {e}")
-    })?;
-    let pre = SourcePluginPre::new(pre)
-        .map_err(|e| format!("does not match the source interface: {e}"))?;
+    let pre = linker
+        .instantiate_pre(&component)
+        .map_err(|e| format!("cannot be linked (it imports something this host does not provide): {e}"))?;
+    let pre = SourcePluginPre::new(pre).map_err(|e| format!("does not match the source interface: {e}"))?;
     // Structure is only checked at instantiation, so instantiate once now.
     let mut store = sandbox::new_store(engine, &info.name, Limits::default(), &NetGrant::default());
-    pre.instantiate_async(&mut store)
-        .await
-        .map_err(|e| format!("trial instantiation failed: {e}"))?;
+    pre.instantiate_async(&mut store).await.map_err(|e| format!("trial instantiation failed: {e}"))?;
     Ok(pre)
 }
 
@@ -176,13 +148,10 @@ fn check_header(bytes: &[u8]) -> Result<(), String> {
     }
     match &bytes[4..8] {
         [0x0d, 0x00, 0x01, 0x00] => Ok(()),
-        [0x01, 0x00, 0x00, 0x00] => Err(
-            "is a core WebAssembly module, not a component (build it for the wasm32-wasip2 target)"
-                .into(),
-        ),
-        other => Err(format!(
-            "unknown WebAssembly version/layer bytes {other:02x?}"
-        )),
+        [0x01, 0x00, 0x00, 0x00] => {
+            Err("is a core WebAssembly module, not a component (build it for the wasm32-wasip2 target)".into())
+        }
+        other => Err(format!("unknown WebAssembly version/layer bytes {other:02x?}")),
     }
 }
 
@@ -201,9 +170,7 @@ fn classify(engine: &Engine, component: &Component) -> Result<(PluginKind, Strin
         }
     }
     if found.is_empty() {
-        return Err(format!(
-            "exports no {WIT_PACKAGE} interface (a source exports {WIT_PACKAGE}/source@0.1.x)"
-        ));
+        return Err(format!("exports no {WIT_PACKAGE} interface (a source exports {WIT_PACKAGE}/source@0.1.x)"));
     }
     for (interface, version) in &found {
         if !compatible(version) {
@@ -218,11 +185,7 @@ fn classify(engine: &Engine, component: &Component) -> Result<(PluginKind, Strin
     }
     Err(format!(
         "exports {} but no interface this host runs",
-        found
-            .iter()
-            .map(|(i, v)| format!("{WIT_PACKAGE}/{i}@{v}"))
-            .collect::<Vec<_>>()
-            .join(", ")
+        found.iter().map(|(i, v)| format!("{WIT_PACKAGE}/{i}@{v}")).collect::<Vec<_>>().join(", ")
     ))
 }
 
@@ -255,11 +218,7 @@ mod tests {
     #[test]
     fn headers() {
         assert!(check_header(b"\0asm\x0d\x00\x01\x00rest").is_ok());
-        assert!(check_header(b"\0asm\x01\x00\x00\x00")
-            .unwrap_err()
-            .contains("core WebAssembly module"));
-        assert!(check_header(b"hello world")
-            .unwrap_err()
-            .contains("not a WebAssembly file"));
+        assert!(check_header(b"\0asm\x01\x00\x00\x00").unwrap_err().contains("core WebAssembly module"));
+        assert!(check_header(b"hello world").unwrap_err().contains("not a WebAssembly file"));
     }
 }

@@ -29,10 +29,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits {
-            call_deadline: Duration::from_secs(5),
-            memory_bytes: 256 << 20,
-        }
+        Limits { call_deadline: Duration::from_secs(5), memory_bytes: 256 << 20 }
     }
 }
 
@@ -49,8 +46,7 @@ pub fn engine() -> anyhow::Result<Engine> {
     let mut config = Config::new();
     config.epoch_interruption(true);
     config.concurrency_support(false);
-    let engine =
-        Engine::new(&config).map_err(|e| anyhow::anyhow!("creating the wasm engine: {e}"))?;
+    let engine = Engine::new(&config).map_err(|e| anyhow::anyhow!("creating the wasm engine: {e}"))?;
     start_ticker(&engine);
     Ok(engine)
 }
@@ -81,10 +77,7 @@ pub struct HostState {
 
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
-        WasiCtxView {
-            ctx: &mut self.wasi,
-            table: &mut self.table,
-        }
+        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
     }
 }
 
@@ -106,12 +99,7 @@ struct MemoryCap {
 }
 
 impl wasmtime::ResourceLimiter for MemoryCap {
-    fn memory_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        _max: Option<usize>,
-    ) -> wasmtime::Result<bool> {
+    fn memory_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
         if desired > self.max {
             self.hit = true;
             wasmtime::bail!("memory limit of {} MiB reached", self.max >> 20);
@@ -119,49 +107,32 @@ impl wasmtime::ResourceLimiter for MemoryCap {
         Ok(true)
     }
 
-    fn table_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        _max: Option<usize>,
-    ) -> wasmtime::Result<bool> {
+    fn table_growing(&mut self, _current: usize, desired: usize, _max: Option<usize>) -> wasmtime::Result<bool> {
         Ok(desired <= 1_000_000)
     }
 }
 
 /// A fresh Store for one instance of `plugin`.
-pub fn new_store(
-    engine: &Engine,
-    plugin: &str,
-    limits: Limits,
-    net: &NetGrant,
-) -> Store<HostState> {
+pub fn new_store(engine: &Engine, plugin: &str, limits: Limits, net: &NetGrant) -> Store<HostState> {
     let mut wasi = WasiCtxBuilder::new();
-    wasi.stderr(LogPipe {
-        plugin: plugin.into(),
-    });
+    wasi.stderr(LogPipe { plugin: plugin.into() });
     if !net.connect.is_empty() {
         let allowed: Arc<[SocketAddr]> = net.connect.clone().into();
-        wasi.allow_tcp(true)
-            .allow_ip_name_lookup(true)
-            .socket_addr_check(move |addr, use_| {
-                // A connect first binds to the wildcard address implicitly, so
-                // binds are allowed; only the destination is checked.
-                let ok = match use_ {
-                    SocketAddrUse::TcpBind => true,
-                    SocketAddrUse::TcpConnect => allowed.contains(&addr),
-                    _ => false,
-                };
-                Box::pin(async move { ok })
-            });
+        wasi.allow_tcp(true).allow_ip_name_lookup(true).socket_addr_check(move |addr, use_| {
+            // A connect first binds to the wildcard address implicitly, so
+            // binds are allowed; only the destination is checked.
+            let ok = match use_ {
+                SocketAddrUse::TcpBind => true,
+                SocketAddrUse::TcpConnect => allowed.contains(&addr),
+                _ => false,
+            };
+            Box::pin(async move { ok })
+        });
     }
     let state = HostState {
         wasi: wasi.build(),
         table: ResourceTable::new(),
-        memory: MemoryCap {
-            max: limits.memory_bytes,
-            hit: false,
-        },
+        memory: MemoryCap { max: limits.memory_bytes, hit: false },
         deadline: Instant::now() + limits.call_deadline,
     };
     let mut store = Store::new(engine, state);
@@ -190,10 +161,7 @@ impl IsTerminal for LogPipe {
 
 impl StdoutStream for LogPipe {
     fn async_stream(&self) -> Box<dyn tokio::io::AsyncWrite + Send + Sync> {
-        Box::new(LogWriter {
-            plugin: self.plugin.clone(),
-            line: Vec::new(),
-        })
+        Box::new(LogWriter { plugin: self.plugin.clone(), line: Vec::new() })
     }
 }
 
@@ -214,11 +182,7 @@ impl LogWriter {
 }
 
 impl tokio::io::AsyncWrite for LogWriter {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
+    fn poll_write(mut self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         for &b in buf {
             if b == b'\n' {
                 self.emit();
@@ -248,22 +212,14 @@ impl Drop for LogWriter {
 /// A readable cause for a failed plugin call.
 pub fn describe_failure(err: &wasmtime::Error, state: &HostState, limits: Limits) -> String {
     if state.hit_memory_cap() {
-        return format!(
-            "exceeded its memory limit of {} MiB",
-            limits.memory_bytes >> 20
-        );
+        return format!("exceeded its memory limit of {} MiB", limits.memory_bytes >> 20);
     }
     if let Some(trap) = err.downcast_ref::<wasmtime::Trap>() {
         return match trap {
             wasmtime::Trap::Interrupt => {
-                format!(
-                    "did not return within its call deadline of {} ms",
-                    limits.call_deadline.as_millis()
-                )
+                format!("did not return within its call deadline of {} ms", limits.call_deadline.as_millis())
             }
-            wasmtime::Trap::UnreachableCodeReached => {
-                "trapped (panicked; see its stderr above)".to_string()
-            }
+            wasmtime::Trap::UnreachableCodeReached => "trapped (panicked; see its stderr above)".to_string(),
             other => format!("trapped: {other}"),
         };
     }

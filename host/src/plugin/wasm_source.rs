@@ -27,14 +27,7 @@ impl WasmSource {
         limits: Limits,
         net: NetGrant,
     ) -> Self {
-        WasmSource {
-            engine,
-            name,
-            pre,
-            config,
-            limits,
-            net,
-        }
+        WasmSource { engine, name, pre, config, limits, net }
     }
 }
 
@@ -54,10 +47,7 @@ impl ChangeSource for WasmSource {
         &self.name
     }
 
-    async fn open(
-        &mut self,
-        resume_after: Option<&str>,
-    ) -> Result<Box<dyn ChangeStream>, SourceError> {
+    async fn open(&mut self, resume_after: Option<&str>) -> Result<Box<dyn ChangeStream>, SourceError> {
         // A fresh Store for every open: a trap or a timed-out call poisons the
         // Store, and reopening is how the loop recovers.
         let mut store = sandbox::new_store(&self.engine, &self.name, self.limits, &self.net);
@@ -76,11 +66,7 @@ impl ChangeSource for WasmSource {
         store.data_mut().arm_deadline(self.limits.call_deadline);
         let opened = plugin
             .sluice_plugin_source()
-            .call_open(
-                &mut store,
-                &self.config,
-                resume_after.map(str::to_string).as_ref(),
-            )
+            .call_open(&mut store, &self.config, resume_after.map(str::to_string).as_ref())
             .await;
         let handle = match opened {
             Ok(Ok(h)) => h,
@@ -88,20 +74,13 @@ impl ChangeSource for WasmSource {
             Err(e) => return Err(fail(&store, e)),
         };
         store.data_mut().arm_deadline(self.limits.call_deadline);
-        let rv = plugin
-            .sluice_plugin_source()
-            .change_stream()
-            .call_replica_version(&mut store, handle)
-            .await;
+        let rv = plugin.sluice_plugin_source().change_stream().call_replica_version(&mut store, handle).await;
         let replica_version = match rv {
             Ok(v) => v,
             Err(e) => return Err(fail(&store, e)),
         };
         if replica_version.is_empty() {
-            return Err(SourceError::Fatal(format!(
-                "source plugin {} reported an empty replica version",
-                self.name
-            )));
+            return Err(SourceError::Fatal(format!("source plugin {} reported an empty replica version", self.name)));
         }
         Ok(Box::new(WasmStream {
             name: self.name.clone(),
@@ -133,9 +112,7 @@ impl WasmStream {
     }
 
     fn arm(&mut self) {
-        self.store
-            .data_mut()
-            .arm_deadline(self.limits.call_deadline);
+        self.store.data_mut().arm_deadline(self.limits.call_deadline);
     }
 }
 
@@ -148,10 +125,7 @@ impl ChangeStream for WasmStream {
     async fn next_batch(&mut self, max: u32) -> Result<Vec<Message>, SourceError> {
         self.arm();
         let stream = self.plugin.sluice_plugin_source().change_stream();
-        match stream
-            .call_next_batch(&mut self.store, self.handle, max)
-            .await
-        {
+        match stream.call_next_batch(&mut self.store, self.handle, max).await {
             Ok(Ok(batch)) => Ok(batch),
             Ok(Err(e)) => Err(plugin_error(&self.name, e)),
             Err(e) => Err(self.failure(e)),
@@ -161,10 +135,7 @@ impl ChangeStream for WasmStream {
     async fn ack(&mut self, watermark: &str) -> Result<(), SourceError> {
         self.arm();
         let stream = self.plugin.sluice_plugin_source().change_stream();
-        match stream
-            .call_ack(&mut self.store, self.handle, &watermark.to_string())
-            .await
-        {
+        match stream.call_ack(&mut self.store, self.handle, &watermark.to_string()).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(plugin_error(&self.name, e)),
             Err(e) => Err(self.failure(e)),

@@ -27,10 +27,7 @@ pub trait ChangeSource: Send {
 
     /// Opens a stream that continues after `resume_after`, or from the start of
     /// the upstream's lineage when it is `None`.
-    async fn open(
-        &mut self,
-        resume_after: Option<&str>,
-    ) -> Result<Box<dyn ChangeStream>, SourceError>;
+    async fn open(&mut self, resume_after: Option<&str>) -> Result<Box<dyn ChangeStream>, SourceError>;
 }
 
 #[async_trait]

@@ -69,3 +69,37 @@ pub trait ChangeLog: Send {
 
     fn bounds(&mut self) -> anyhow::Result<Bounds>;
 }
+
+/// A row read back for catch-up.
+#[derive(Debug, Clone)]
+pub struct StoredRow {
+    pub watermark: String,
+    pub pos: i64,
+    pub tag: String,
+    pub change: String,
+}
+
+/// A consistent read view of the log, pinned when it was taken: it holds
+/// every transaction committed before and none after.
+pub trait LogSnapshot: Send {
+    fn last_watermark(&self) -> &str;
+    /// Rows with `from <= watermark <= last_watermark`, in (watermark, pos)
+    /// order, after the `after` cursor, at most `limit`.
+    fn read(&mut self, from: &str, after: Option<(&str, i64)>, limit: usize) -> anyhow::Result<Vec<StoredRow>>;
+}
+
+/// Reading and cleaning the log beside the single writer.
+pub trait LogReader: Send + Sync {
+    fn snapshot(&self) -> anyhow::Result<Box<dyn LogSnapshot>>;
+    fn bounds(&self) -> anyhow::Result<Bounds>;
+    /// Deletes transactions below `floor`, always keeping the newest one.
+    /// Returns the number of rows deleted.
+    fn purge_before(&self, floor: &str) -> anyhow::Result<u64>;
+    /// The oldest commit watermark a retention window keeps: the newest
+    /// `transactions` transactions, and those stored within `age`.
+    fn retention_floor(
+        &self,
+        transactions: Option<u64>,
+        age: Option<std::time::Duration>,
+    ) -> anyhow::Result<Option<String>>;
+}

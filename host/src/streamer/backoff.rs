@@ -39,10 +39,7 @@ mod tests {
     fn doubles_to_the_cap_and_resets() {
         let mut b = Backoff::default();
         let ms: Vec<u128> = (0..11).map(|_| b.next_delay().as_millis()).collect();
-        assert_eq!(
-            ms,
-            [25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 10000, 10000]
-        );
+        assert_eq!(ms, [25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 10000, 10000]);
         b.reset();
         assert_eq!(b.next_delay(), INITIAL);
     }

@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 
-use crate::change::{Encoder, Event, Kind};
+use crate::change::{Change, Encoder, Event, Kind};
+use crate::forwarder;
+use crate::hub::Hub;
 use crate::source::model::{Control, Message};
 use crate::source::{ChangeSource, ChangeStream, SourceError};
 use crate::status::{SourceState, Status};
@@ -35,6 +37,10 @@ pub struct StreamerOptions {
     pub task_id: String,
     /// Where subscribers reach this host (recorded as the log's owner address).
     pub advertise: String,
+    /// Forwarded bytes after which the loop waits for subscribers (Zero: 64 KiB).
+    pub flow_control_bytes: usize,
+    /// Zero's consensus timeout proportion; negative waits for everyone.
+    pub consensus_proportion: f64,
 }
 
 impl Default for StreamerOptions {
@@ -46,6 +52,8 @@ impl Default for StreamerOptions {
             auto_reset: false,
             task_id: "sluice".into(),
             advertise: "127.0.0.1:4849".into(),
+            flow_control_bytes: 64 << 10,
+            consensus_proportion: 2.0,
         }
     }
 }
@@ -74,6 +82,7 @@ impl From<SourceError> for PassEnd {
 
 pub struct Streamer {
     source: Box<dyn ChangeSource>,
+    hub: Arc<Hub>,
     log: Option<Box<dyn ChangeLog>>,
     options: StreamerOptions,
     status: Arc<Status>,
@@ -86,27 +95,29 @@ impl Streamer {
     pub fn new(
         source: Box<dyn ChangeSource>,
         log: Box<dyn ChangeLog>,
+        hub: Arc<Hub>,
         options: StreamerOptions,
         status: Arc<Status>,
     ) -> Self {
         status.update(|s| s.source_name = source.name().to_string());
-        Streamer {
-            source,
-            log: Some(log),
-            options,
-            status,
-            acker: UpstreamAcker::default(),
-            open_fresh: false,
-        }
+        Streamer { source, hub, log: Some(log), options, status, acker: UpstreamAcker::default(), open_fresh: false }
     }
 
     /// Runs until shutdown (Ok) or a fatal error (Err, with the reason).
     pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) -> anyhow::Result<()> {
+        // Subscribers can catch up from an existing log while the source is
+        // still connecting (or down).
+        if let Ok(Some(state)) = self.with_log(|log| log.state()) {
+            self.hub.set_replica_version(&state.replica_version);
+            self.status.update(|s| {
+                s.replica_version = Some(state.replica_version.clone());
+                s.last_watermark = Some(state.last_watermark.clone());
+            });
+        }
         let mut backoff = Backoff::default();
         loop {
             if *shutdown.borrow() {
-                self.status
-                    .update(|s| s.source = SourceState::Stopped { error: None });
+                self.status.update(|s| s.source = SourceState::Stopped { error: None });
                 return Ok(());
             }
             let (end, progressed) = self.pass(&mut shutdown).await;
@@ -115,18 +126,13 @@ impl Streamer {
             }
             match end {
                 PassEnd::Shutdown => {
-                    self.status
-                        .update(|s| s.source = SourceState::Stopped { error: None });
+                    self.status.update(|s| s.source = SourceState::Stopped { error: None });
                     return Ok(());
                 }
                 PassEnd::Restart => continue,
                 PassEnd::Fatal(msg) => {
                     tracing::error!("replication stopped: {msg}");
-                    self.status.update(|s| {
-                        s.source = SourceState::Stopped {
-                            error: Some(msg.clone()),
-                        }
-                    });
+                    self.status.update(|s| s.source = SourceState::Stopped { error: Some(msg.clone()) });
                     anyhow::bail!(msg);
                 }
                 PassEnd::Retry(msg) => {
@@ -140,10 +146,7 @@ impl Streamer {
                         tracing::error!("{line}");
                     }
                     self.status.update(|s| {
-                        s.source = SourceState::BackingOff {
-                            last_error: msg,
-                            retry_in_ms: delay.as_millis() as u64,
-                        }
+                        s.source = SourceState::BackingOff { last_error: msg, retry_in_ms: delay.as_millis() as u64 }
                     });
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
@@ -155,24 +158,16 @@ impl Streamer {
     }
 
     /// Runs blocking change-log work without stalling the runtime's other tasks.
-    fn with_log<R>(
-        &mut self,
-        f: impl FnOnce(&mut dyn ChangeLog) -> anyhow::Result<R>,
-    ) -> Result<R, PassEnd> {
-        let log = self
-            .log
-            .as_mut()
-            .expect("the change log is home between passes");
-        tokio::task::block_in_place(|| f(log.as_mut()))
-            .map_err(|e| PassEnd::Retry(format!("change log: {e:#}")))
+    fn with_log<R>(&mut self, f: impl FnOnce(&mut dyn ChangeLog) -> anyhow::Result<R>) -> Result<R, PassEnd> {
+        let log = self.log.as_mut().expect("the change log is home between passes");
+        tokio::task::block_in_place(|| f(log.as_mut())).map_err(|e| PassEnd::Retry(format!("change log: {e:#}")))
     }
 
     /// Opens the source and settles the lineage. Returns the stream and the
     /// watermark it continues after.
     async fn open(&mut self) -> Result<(Box<dyn ChangeStream>, String), PassEnd> {
         let state = self.with_log(|log| log.state())?;
-        let reset_requested =
-            state.as_ref().is_some_and(|s| s.reset_required) && self.options.auto_reset;
+        let reset_requested = state.as_ref().is_some_and(|s| s.reset_required) && self.options.auto_reset;
         let resume = match &state {
             Some(s) if !self.open_fresh && !reset_requested => Some(s.last_watermark.clone()),
             _ => None,
@@ -210,6 +205,7 @@ impl Streamer {
             Some(_) => {}
         }
         self.open_fresh = false;
+        self.hub.set_replica_version(&rv);
         let (task, addr) = (self.options.task_id.clone(), self.options.advertise.clone());
         self.with_log(|log| log.assume_ownership(&task, &addr))?;
         let bounds = self.with_log(|log| log.bounds())?;
@@ -238,36 +234,30 @@ impl Streamer {
             Err(end) => return (end, false),
         };
         let (durable_tx, mut durable_rx) = mpsc::unbounded_channel();
-        let log = self
-            .log
-            .take()
-            .expect("the change log is home between passes");
-        let storer = Storer::start(log, self.options.storer, durable_tx, self.status.clone());
+        let log = self.log.take().expect("the change log is home between passes");
+        let storer =
+            Storer::start(log, self.hub.reader().clone(), self.options.storer, durable_tx, self.status.clone());
+        self.hub.storer_started(storer.catchup_queue());
         self.acker.reset();
         let mut state = StreamState::new(resume_after);
 
-        let end = self
-            .pump(
-                stream.as_mut(),
-                &storer,
-                &mut durable_rx,
-                &mut state,
-                shutdown,
-            )
-            .await;
+        let end = self.pump(stream.as_mut(), &storer, &mut durable_rx, &mut state, shutdown).await;
 
         if let Some(w) = &state.tx {
             tracing::warn!("aborting interrupted transaction {w}");
             storer.abort();
+            // Subscribers always see a transaction end.
+            self.hub.forward_only(w, Change::rollback());
         }
         drop(stream);
-        let end = match storer.stop(self.options.drain_timeout).await {
+        self.hub.storer_stopping();
+        let stopped = storer.stop(self.options.drain_timeout).await;
+        self.hub.storer_stopped();
+        let end = match stopped {
             Ok(exit) => {
                 self.log = Some(exit.log);
                 match exit.result {
-                    Err(e) if !matches!(end, PassEnd::Fatal(_)) => {
-                        PassEnd::Retry(format!("change log: {e:#}"))
-                    }
+                    Err(e) if !matches!(end, PassEnd::Fatal(_)) => PassEnd::Retry(format!("change log: {e:#}")),
                     _ => end,
                 }
             }
@@ -331,6 +321,18 @@ impl Streamer {
                 if let Err(end) = self.process(msg, &mut encoder, storer, state, &mut acks) {
                     return end;
                 }
+                if state.unflushed_bytes >= self.options.flow_control_bytes {
+                    // Let subscribers consume before sending more (Zero's
+                    // forwardWithFlowControl); a source failure or shutdown
+                    // ends the wait.
+                    state.unflushed_bytes = 0;
+                    let targets = self.hub.broadcast_targets();
+                    tokio::select! {
+                        _ = forwarder::broadcast(targets, self.options.consensus_proportion) => {}
+                        _ = storer.finished() => return PassEnd::Retry("the change log writer stopped".into()),
+                        _ = shutdown.changed() => return PassEnd::Shutdown,
+                    }
+                }
             }
             if storer.queued_bytes() > self.options.storer.queue_budget {
                 tokio::select! {
@@ -356,9 +358,7 @@ impl Streamer {
             Message::Commit(c) => Some(c.watermark.clone()),
             _ => None,
         };
-        let event = encoder
-            .encode(msg)
-            .map_err(|e| PassEnd::Retry(e.to_string()))?;
+        let event = encoder.encode(msg).map_err(|e| PassEnd::Retry(e.to_string()))?;
         let change = match event {
             Event::Declared => return Ok(()),
             Event::Status { watermark, ack } => {
@@ -390,9 +390,7 @@ impl Streamer {
             Kind::Begin => {
                 let w = watermark.unwrap_or_default();
                 if let Some(open) = &state.tx {
-                    return Err(PassEnd::Fatal(format!(
-                        "begin {w} received inside transaction {open}"
-                    )));
+                    return Err(PassEnd::Fatal(format!("begin {w} received inside transaction {open}")));
                 }
                 if w <= state.last_commit {
                     if state.commits == 0 && state.skipping.is_none() {
@@ -428,11 +426,7 @@ impl Streamer {
             Kind::Data | Kind::Rollback if state.tx.is_none() => {
                 return Err(PassEnd::Fatal(format!(
                     "{} change ({}) received before 'begin' message",
-                    if change.kind == Kind::Data {
-                        "data"
-                    } else {
-                        "rollback"
-                    },
+                    if change.kind == Kind::Data { "data" } else { "rollback" },
                     change.tag
                 )));
             }
@@ -440,9 +434,7 @@ impl Streamer {
                 let w = watermark.unwrap_or_default();
                 match &state.tx {
                     None => {
-                        return Err(PassEnd::Fatal(format!(
-                            "commit change {w} received before 'begin' message"
-                        )));
+                        return Err(PassEnd::Fatal(format!("commit change {w} received before 'begin' message")));
                     }
                     Some(open) if **open != *w => {
                         return Err(PassEnd::Fatal(format!(
@@ -454,10 +446,7 @@ impl Streamer {
             }
             Kind::Data | Kind::Rollback => {}
         }
-        let tx = state
-            .tx
-            .clone()
-            .expect("checked above: a transaction is open");
+        let tx = state.tx.clone().expect("checked above: a transaction is open");
         storer.store(&tx, &change);
         match change.kind {
             Kind::Commit => {
@@ -483,6 +472,8 @@ struct StreamState {
     /// A replayed transaction being skipped.
     skipping: Option<String>,
     stored_any: bool,
+    /// Bytes forwarded since the last flow-control wait.
+    unflushed_bytes: usize,
 }
 
 impl StreamState {
@@ -494,6 +485,7 @@ impl StreamState {
             commits: 0,
             skipping: None,
             stored_any: false,
+            unflushed_bytes: 0,
         }
     }
 }

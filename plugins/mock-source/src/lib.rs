@@ -13,9 +13,7 @@ use serde::Deserialize;
 wit_bindgen::generate!({ path: "../../wit", world: "source-plugin" });
 
 use exports::sluice::plugin::source::{ChangeStream, Guest, GuestChangeStream};
-use sluice::plugin::types::{
-    Begin, Commit, Insert, KeyType, Message, PluginError, Relation, Value,
-};
+use sluice::plugin::types::{Begin, Commit, Insert, KeyType, Message, PluginError, Relation, Value};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -101,22 +99,17 @@ impl Guest for Component {
         let config: Config = if config.trim().is_empty() {
             Config::default()
         } else {
-            serde_json::from_str(&config)
-                .map_err(|e| PluginError::InvalidConfig(format!("mock-source config: {e}")))?
+            serde_json::from_str(&config).map_err(|e| PluginError::InvalidConfig(format!("mock-source config: {e}")))?
         };
         if config.tables == 0 {
-            return Err(PluginError::InvalidConfig(
-                "mock-source config: tables must be at least 1".into(),
-            ));
+            return Err(PluginError::InvalidConfig("mock-source config: tables must be at least 1".into()));
         }
         let next_tx = match resume_after.as_deref() {
             None => 1,
             Some(w) if w == config.replica_version => 1,
             Some(w) => {
                 unlexi(w).ok_or_else(|| {
-                    PluginError::Fatal(format!(
-                        "mock-source cannot resume after watermark {w:?}: not a LexiVersion"
-                    ))
+                    PluginError::Fatal(format!("mock-source cannot resume after watermark {w:?}: not a LexiVersion"))
                 })? + 1
             }
         };
@@ -208,42 +201,27 @@ impl State {
     fn message_at(&self, tx: u64, k: u32) -> Message {
         let rows = self.config.rows_per_tx;
         if k == 0 {
-            return Message::Begin(Begin {
-                commit_watermark: lexi(tx),
-                extra: None,
-            });
+            return Message::Begin(Begin { commit_watermark: lexi(tx), extra: None });
         }
         if k <= rows {
             let (table, values) = self.row(tx, k - 1);
-            return Message::Insert(Insert {
-                relation: table,
-                new: values,
-            });
+            return Message::Insert(Insert { relation: table, new: values });
         }
         if matches!(self.config.rollback_every, Some(n) if n > 0 && tx % n == 0) {
             Message::Rollback
         } else {
-            Message::Commit(Commit {
-                watermark: lexi(tx),
-                extra: None,
-            })
+            Message::Commit(Commit { watermark: lexi(tx), extra: None })
         }
     }
 
     fn interrupt_due(&self) -> bool {
-        !self.interrupted
-            && self
-                .config
-                .interrupt_every
-                .is_some_and(|n| n > 0 && (self.txs_since_open + 1) % n == 0)
+        !self.interrupted && self.config.interrupt_every.is_some_and(|n| n > 0 && (self.txs_since_open + 1) % n == 0)
     }
 
     fn fault_due(&self) -> bool {
         let sent = self.messages_sent;
         let c = &self.config;
-        [c.fail_after, c.trap_after, c.hang_after, c.oom_after]
-            .iter()
-            .any(|n| n.is_some_and(|n| sent >= n))
+        [c.fail_after, c.trap_after, c.hang_after, c.oom_after].iter().any(|n| n.is_some_and(|n| sent >= n))
     }
 
     fn check_faults(&mut self) -> Result<(), PluginError> {
@@ -251,9 +229,7 @@ impl State {
         let cfg = &mut self.config;
         if cfg.fail_after.is_some_and(|n| sent >= n) {
             cfg.fail_after = None;
-            return Err(PluginError::Transient(format!(
-                "mock-source: injected failure after {sent} messages"
-            )));
+            return Err(PluginError::Transient(format!("mock-source: injected failure after {sent} messages")));
         }
         if cfg.trap_after.is_some_and(|n| sent >= n) {
             panic!("mock-source: injected trap after {sent} messages");

@@ -1,0 +1,82 @@
+//! Purging the change log and closing laggards, on timers.
+//!
+//! The purge floor is the lowest ack of the connected subscribers (and, when
+//! configured, the retention window: the newest N transactions and those
+//! stored within T). With no subscribers only the retention window holds the
+//! log. Only rows strictly below the floor are deleted and the newest
+//! transaction always stays, so a subscriber at the floor can still catch up.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::hub::Hub;
+use crate::status::Status;
+
+#[derive(Debug, Clone)]
+pub struct CleanupOptions {
+    pub purge_interval: Duration,
+    pub retain_transactions: Option<u64>,
+    pub retain_for: Option<Duration>,
+    /// Zero's slow-subscriber grace period; `None` disables laggard closing.
+    pub lag_grace: Option<Duration>,
+}
+
+impl Default for CleanupOptions {
+    fn default() -> Self {
+        CleanupOptions {
+            purge_interval: Duration::from_secs(30),
+            retain_transactions: None,
+            retain_for: None,
+            lag_grace: Some(Duration::from_secs(30)),
+        }
+    }
+}
+
+/// One purge pass. Returns the floor used and the rows deleted.
+pub fn purge_once(hub: &Hub, options: &CleanupOptions) -> anyhow::Result<(Option<String>, u64)> {
+    let reader = hub.reader();
+    let bounds = reader.bounds()?;
+    let mut floor = match hub.min_ack() {
+        Some(ack) => ack.to_string(),
+        None => bounds.last_watermark.clone(),
+    };
+    if options.retain_transactions.is_some() || options.retain_for.is_some() {
+        if let Some(keep) = reader.retention_floor(options.retain_transactions, options.retain_for)? {
+            floor = floor.min(keep);
+        }
+    }
+    if bounds.min_watermark.as_deref().is_some_and(|min| min >= floor.as_str()) {
+        return Ok((Some(floor), 0));
+    }
+    let deleted = reader.purge_before(&floor)?;
+    Ok((Some(floor), deleted))
+}
+
+pub async fn run(hub: Arc<Hub>, status: Arc<Status>, options: CleanupOptions, mut shutdown: watch::Receiver<bool>) {
+    let mut purge = tokio::time::interval(options.purge_interval);
+    purge.tick().await;
+    let mut monitor = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            _ = monitor.tick() => hub.check_laggards(options.lag_grace),
+            _ = purge.tick() => {
+                let (h, o) = (hub.clone(), options.clone());
+                match tokio::task::spawn_blocking(move || purge_once(&h, &o)).await {
+                    Ok(Ok((floor, deleted))) => {
+                        if deleted > 0 {
+                            tracing::info!(floor = floor.as_deref().unwrap_or("-"), deleted, "purged the change log");
+                        }
+                        if let Ok(b) = hub.reader().bounds() {
+                            status.update(|s| s.min_watermark = b.min_watermark);
+                        }
+                    }
+                    Ok(Err(e)) => tracing::warn!("purging the change log failed (retrying next pass): {e:#}"),
+                    Err(e) => tracing::warn!("purge task failed: {e}"),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! The hub: where the replication loop and subscribers meet.
+//!
+//! Everything that must happen in lock step goes through the hub's one lock:
+//! queueing a change to the storer and forwarding it, and adding a subscriber
+//! to the forwarder and queueing its catch-up behind what the storer already
+//! has. So each transaction reaches a new subscriber exactly once, either
+//! from the log or live.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::catchup;
+use crate::change::Change;
+use crate::forwarder::Forwarder;
+use crate::status::Status;
+use crate::storage::LogReader;
+use crate::storer::{CatchupQueue, Storer};
+use crate::subscriber::{Entry, ErrorType, Subscriber};
+
+pub struct Hub {
+    inner: Mutex<Inner>,
+    reader: Arc<dyn LogReader>,
+    status: Arc<Status>,
+}
+
+struct Inner {
+    forwarder: Forwarder,
+    storer: StorerSlot,
+    replica_version: Option<String>,
+}
+
+enum StorerSlot {
+    /// No storer: the log holds everything forwarded; read it directly.
+    Idle,
+    /// Catch-ups queue behind the storer's work.
+    Running(CatchupQueue),
+    /// A storer is draining; catch-ups wait until it is done.
+    Stopping(Vec<(Arc<Subscriber>, String)>),
+}
+
+impl Hub {
+    pub fn new(reader: Arc<dyn LogReader>, status: Arc<Status>) -> Arc<Hub> {
+        Arc::new(Hub {
+            inner: Mutex::new(Inner {
+                forwarder: Forwarder::default(),
+                storer: StorerSlot::Idle,
+                replica_version: None,
+            }),
+            reader,
+            status,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn reader(&self) -> &Arc<dyn LogReader> {
+        &self.reader
+    }
+
+    /// The lineage subscribers must be on. A change closes everyone (they
+    /// reconnect and learn the new version).
+    pub fn set_replica_version(&self, rv: &str) {
+        let mut inner = self.lock();
+        if inner.replica_version.as_deref() != Some(rv) {
+            if inner.replica_version.is_some() {
+                for s in inner.forwarder.subscribers() {
+                    s.close(None);
+                }
+                inner.forwarder = Forwarder::default();
+            }
+            inner.replica_version = Some(rv.to_string());
+        }
+    }
+
+    pub fn replica_version(&self) -> Option<String> {
+        self.lock().replica_version.clone()
+    }
+
+    pub fn storer_started(&self, queue: CatchupQueue) {
+        self.lock().storer = StorerSlot::Running(queue);
+    }
+
+    pub fn storer_stopping(&self) {
+        self.lock().storer = StorerSlot::Stopping(Vec::new());
+    }
+
+    /// The storer is gone and the log is final: serve waiting catch-ups.
+    pub fn storer_stopped(&self) {
+        let waiting = match std::mem::replace(&mut self.lock().storer, StorerSlot::Idle) {
+            StorerSlot::Stopping(waiting) => waiting,
+            _ => Vec::new(),
+        };
+        for (sub, rv) in waiting {
+            self.start_direct_catchup(sub, rv);
+        }
+    }
+
+    fn start_direct_catchup(&self, sub: Arc<Subscriber>, rv: String) {
+        match self.reader.snapshot() {
+            Ok(snapshot) => catchup::start(snapshot, sub, rv),
+            Err(e) => {
+                tracing::warn!(subscriber = %sub.id, "cannot read the change log for catch-up: {e:#}");
+                sub.close(None);
+            }
+        }
+    }
+
+    /// Stores and forwards one change, in lock step with subscriptions.
+    pub fn publish(&self, storer: &Storer, watermark: &Arc<str>, change: Change) {
+        let mut inner = self.lock();
+        storer.store(watermark, &change);
+        if !inner.forwarder.is_empty() {
+            inner.forwarder.forward(&Entry { watermark: watermark.clone(), change });
+        }
+    }
+
+    /// Forwards without storing (the synthetic rollback of an interrupted
+    /// transaction).
+    pub fn forward_only(&self, watermark: &Arc<str>, change: Change) {
+        self.lock().forwarder.forward(&Entry { watermark: watermark.clone(), change });
+    }
+
+    /// Adds a subscriber: checks its replica version, then starts its
+    /// catch-up behind everything already queued for storage.
+    pub fn subscribe(&self, sub: Arc<Subscriber>, replica_version: &str) {
+        let mut inner = self.lock();
+        let Some(rv) = inner.replica_version.clone() else {
+            tracing::info!(subscriber = %sub.id, "no change log yet; closing so the subscriber retries");
+            sub.close(None);
+            return;
+        };
+        if rv != replica_version {
+            sub.close(Some((
+                ErrorType::WrongReplicaVersion,
+                format!("current replica version is {rv} (requested {replica_version})"),
+            )));
+            return;
+        }
+        inner.forwarder.add(sub.clone());
+        let count = inner.forwarder.len();
+        let direct = match &mut inner.storer {
+            StorerSlot::Running(q) => !q.push(sub.clone(), rv.clone()),
+            StorerSlot::Stopping(waiting) => {
+                waiting.push((sub.clone(), rv.clone()));
+                false
+            }
+            StorerSlot::Idle => true,
+        };
+        drop(inner);
+        self.status.update(|s| s.subscribers = count);
+        if direct {
+            // No storer running: everything forwarded is already in the log
+            // (or was rolled back), so a snapshot now is consistent.
+            self.start_direct_catchup(sub, rv);
+        }
+    }
+
+    pub fn unsubscribe(&self, sub: &Arc<Subscriber>) {
+        let mut inner = self.lock();
+        inner.forwarder.remove(sub);
+        let count = inner.forwarder.len();
+        drop(inner);
+        sub.close(None);
+        self.status.update(|s| s.subscribers = count);
+    }
+
+    pub fn broadcast_targets(&self) -> Vec<(Arc<Subscriber>, u64)> {
+        self.lock().forwarder.broadcast_targets()
+    }
+
+    pub fn has_subscribers(&self) -> bool {
+        !self.lock().forwarder.is_empty()
+    }
+
+    /// The lowest ack among connected subscribers, if any are connected.
+    pub fn min_ack(&self) -> Option<Arc<str>> {
+        self.lock().forwarder.subscribers().map(|s| s.acked()).min()
+    }
+
+    pub fn check_laggards(&self, grace: Option<Duration>) {
+        self.lock().forwarder.check_laggards(Instant::now(), grace);
+    }
+}

@@ -1,0 +1,282 @@
+//! `GET /replication/v{N}/changes`: Zero's change-streamer WebSocket protocol.
+//!
+//! Frames out are `{"id":n,"msg":<downstream message>}` with `n` counting
+//! from 1; the peer answers `{"ack":n}` when it has processed message `n`.
+//! Sending is pipelined: messages go out without waiting, and each counts as
+//! consumed when its ack arrives, in order. Pings every 30 s; a peer that
+//! answers neither pong nor message between two pings is dropped.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, Query, State};
+use axum::response::Response;
+use futures::{SinkExt, StreamExt};
+
+use super::AppState;
+use crate::subscriber::{Connection, Frame, Mode, Subscriber};
+
+/// Protocol versions of `@rocicorp/zero` 1.9.0's change-streamer.
+pub const MIN_PROTOCOL: u32 = 1;
+pub const MAX_PROTOCOL: u32 = 6;
+const PROTOCOL_ERROR: u16 = 1002;
+
+/// What a subscriber asked for.
+#[derive(Debug, Clone)]
+pub struct SubscriberContext {
+    pub protocol: u32,
+    pub id: String,
+    pub task_id: String,
+    pub mode: Mode,
+    pub replica_version: String,
+    pub watermark: String,
+}
+
+/// Checks the `v{N}` path segment as Zero does.
+pub fn check_protocol(segment: &str, path: &str) -> Result<u32, String> {
+    let digits = segment.strip_prefix('v').filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()));
+    let Some(digits) = digits else {
+        return Err(format!("invalid path: {path}"));
+    };
+    let v: u64 = digits.parse().map_err(|_| format!("invalid path: {path}"))?;
+    if v < MIN_PROTOCOL as u64 || v > MAX_PROTOCOL as u64 {
+        return Err(format!(
+            "Cannot service client at protocol v{v}. Supported protocols: [v{MIN_PROTOCOL} ... v{MAX_PROTOCOL}]"
+        ));
+    }
+    Ok(v as u32)
+}
+
+fn param<'a>(q: &'a HashMap<String, String>, name: &str, required: bool) -> Result<Option<&'a str>, String> {
+    match q.get(name).map(String::as_str).filter(|v| !v.is_empty()) {
+        Some(v) => Ok(Some(v)),
+        None if required => Err(format!("invalid querystring - missing {name}")),
+        None => Ok(None),
+    }
+}
+
+/// Parses the request in Zero's order, so the first problem is the one named.
+pub fn parse_context(segment: &str, query: &HashMap<String, String>) -> Result<SubscriberContext, String> {
+    let path = format!("/replication/{segment}/changes");
+    let protocol = check_protocol(segment, &path)?;
+    let id = param(query, "id", true)?.unwrap_or_default().to_string();
+    let task_id = param(query, "taskID", false)?.unwrap_or_default().to_string();
+    let mode = if param(query, "mode", false)? == Some("backup") { Mode::Backup } else { Mode::Serving };
+    let replica_version = param(query, "replicaVersion", true)?.unwrap_or_default().to_string();
+    let watermark = param(query, "watermark", true)?.unwrap_or_default().to_string();
+    Ok(SubscriberContext { protocol, id, task_id, mode, replica_version, watermark })
+}
+
+pub async fn changes(
+    ws: WebSocketUpgrade,
+    Path(segment): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+    State(app): State<AppState>,
+) -> Response {
+    let ctx = parse_context(&segment, &query);
+    ws.on_upgrade(move |socket| async move {
+        match ctx {
+            Err(message) => close_with_error(socket, &message).await,
+            Ok(ctx) => serve(socket, ctx, app).await,
+        }
+    })
+}
+
+pub async fn snapshot(
+    ws: WebSocketUpgrade,
+    Path(segment): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Response {
+    let path = format!("/replication/{segment}/snapshot");
+    let result: Result<(), String> = check_protocol(&segment, &path).and_then(|_| {
+        if param(&query, "taskID", false)?.is_none() {
+            return Err("Missing taskID in snapshot request".to_string());
+        }
+        Err("backups are not configured".to_string())
+    });
+    ws.on_upgrade(move |socket| async move {
+        if let Err(message) = result {
+            close_with_error(socket, &message).await;
+        }
+    })
+}
+
+/// Closes with 1002 and `Error: <message>`, cut to 123 bytes like Zero's `elide`.
+pub async fn close_with_error(mut socket: WebSocket, message: &str) {
+    tracing::info!("closing subscriber connection: {message}");
+    let reason = elide(&format!("Error: {message}"), 123);
+    let _ = socket.send(Message::Close(Some(CloseFrame { code: PROTOCOL_ERROR, reason: reason.into() }))).await;
+}
+
+fn elide(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max - 3;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end])
+}
+
+async fn serve(socket: WebSocket, ctx: SubscriberContext, app: AppState) {
+    let (sub, conn) = Subscriber::new(
+        ctx.id.clone(),
+        ctx.task_id.clone(),
+        ctx.mode,
+        ctx.protocol,
+        ctx.watermark.clone(),
+        app.subscriber_limits,
+    );
+    tracing::info!(
+        subscriber = %ctx.id,
+        task = %ctx.task_id,
+        watermark = %ctx.watermark,
+        protocol = ctx.protocol,
+        "subscriber connected"
+    );
+    app.hub.subscribe(sub.clone(), &ctx.replica_version);
+    let reason = pump(socket, &sub, conn, app.ping_interval).await;
+    app.hub.unsubscribe(&sub);
+    tracing::info!(subscriber = %ctx.id, acked = %sub.acked(), "subscriber disconnected: {reason}");
+}
+
+/// One message in flight: its id, size, and commit watermark if a commit.
+struct InFlight {
+    id: u64,
+    bytes: usize,
+    commit: Option<Arc<str>>,
+    /// Close the connection once this one is consumed (an error message).
+    last: bool,
+}
+
+async fn pump(socket: WebSocket, sub: &Arc<Subscriber>, mut conn: Connection, ping_every: Duration) -> String {
+    let (mut tx, mut rx) = socket.split();
+    let mut in_flight: VecDeque<InFlight> = VecDeque::new();
+    let mut next_id = 0u64;
+    let mut alive = true;
+    let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + ping_every, ping_every);
+    loop {
+        tokio::select! {
+            frame = conn.frames.recv() => {
+                let (json, bytes, commit, last) = match frame {
+                    Some(Frame::Message { json, commit }) => { let n = json.len(); (json, n, commit, false) }
+                    Some(Frame::Error(json)) => (Arc::from(json.as_str()), 0, None, true),
+                    Some(Frame::Close) | None => {
+                        let _ = tx.send(Message::Close(None)).await;
+                        return "closed by the server".into();
+                    }
+                };
+                next_id += 1;
+                let mut text = String::with_capacity(json.len() + 24);
+                text.push_str("{\"id\":");
+                text.push_str(itoa::Buffer::new().format(next_id));
+                text.push_str(",\"msg\":");
+                text.push_str(&json);
+                text.push('}');
+                if let Err(e) = tx.send(Message::Text(Utf8Bytes::from(text))).await {
+                    return format!("send failed: {e}");
+                }
+                in_flight.push_back(InFlight { id: next_id, bytes, commit, last });
+            }
+            msg = rx.next() => {
+                alive = true;
+                match msg {
+                    Some(Ok(Message::Text(text))) => {
+                        let ack = match parse_ack(&text) {
+                            Ok(a) => a,
+                            Err(e) => {
+                                close_with_error_split(&mut tx, &e).await;
+                                return e;
+                            }
+                        };
+                        if in_flight.front().map(|f| f.id) != Some(ack) {
+                            let expected = in_flight.front().map_or(next_id + 1, |f| f.id);
+                            let e = format!("Unexpected ack for {expected}: {ack}");
+                            close_with_error_split(&mut tx, &e).await;
+                            return e;
+                        }
+                        let Some(front) = in_flight.pop_front() else { continue };
+                        sub.consumed(front.bytes, front.commit.as_ref());
+                        if front.last {
+                            let _ = tx.send(Message::Close(None)).await;
+                            return "closed after sending an error".into();
+                        }
+                    }
+                    Some(Ok(Message::Binary(_))) => {
+                        let e = "Expected string message".to_string();
+                        close_with_error_split(&mut tx, &e).await;
+                        return e;
+                    }
+                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                    Some(Ok(Message::Close(_))) | None => return "closed by the peer".into(),
+                    Some(Err(e)) => return format!("connection error: {e}"),
+                }
+            }
+            _ = ping.tick() => {
+                if !alive {
+                    return "no pong or message since the last ping".into();
+                }
+                alive = false;
+                if tx.send(Message::Ping(Default::default())).await.is_err() {
+                    return "ping failed".into();
+                }
+            }
+        }
+    }
+}
+
+async fn close_with_error_split(tx: &mut futures::stream::SplitSink<WebSocket, Message>, message: &str) {
+    tracing::warn!("closing subscriber connection: {message}");
+    let reason = elide(&format!("Error: {message}"), 123);
+    let _ = tx.send(Message::Close(Some(CloseFrame { code: 1011, reason: reason.into() }))).await;
+}
+
+fn parse_ack(text: &str) -> Result<u64, String> {
+    #[derive(serde::Deserialize)]
+    struct Ack {
+        ack: u64,
+    }
+    serde_json::from_str::<Ack>(text).map(|a| a.ack).map_err(|e| format!("invalid ack {text:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn bad_requests_name_the_first_problem_as_zero_does() {
+        assert_eq!(parse_context("v6", &q(&[])).unwrap_err(), "invalid querystring - missing id");
+        assert_eq!(
+            parse_context("v6", &q(&[("id", "foo"), ("taskID", "t")])).unwrap_err(),
+            "invalid querystring - missing replicaVersion"
+        );
+        assert_eq!(
+            parse_context("v6", &q(&[("id", "foo"), ("replicaVersion", "01"), ("initial", "true")])).unwrap_err(),
+            "invalid querystring - missing watermark"
+        );
+        assert_eq!(
+            parse_context("v7", &q(&[])).unwrap_err(),
+            "Cannot service client at protocol v7. Supported protocols: [v1 ... v6]"
+        );
+        assert_eq!(parse_context("x6", &q(&[])).unwrap_err(), "invalid path: /replication/x6/changes");
+        let ok =
+            parse_context("v5", &q(&[("id", "a"), ("replicaVersion", "01"), ("watermark", "02"), ("mode", "backup")]))
+                .unwrap();
+        assert_eq!((ok.protocol, ok.mode, ok.watermark.as_str()), (5, Mode::Backup, "02"));
+    }
+
+    #[test]
+    fn elides_long_reasons_to_123_bytes() {
+        let long = "x".repeat(300);
+        let e = elide(&long, 123);
+        assert_eq!(e.len(), 123);
+        assert!(e.ends_with("..."));
+    }
+}

@@ -1,0 +1,59 @@
+//! The HTTP endpoint: health checks, `GET /status`, and the subscriber
+//! WebSocket protocol in `changes`.
+
+pub mod changes;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use axum::extract::State;
+use axum::routing::get;
+use axum::{Json, Router};
+use tokio::sync::watch;
+
+use crate::hub::Hub;
+use crate::status::{Snapshot, Status};
+use crate::subscriber;
+
+/// What request handlers share.
+#[derive(Clone)]
+pub struct AppState {
+    pub hub: Arc<Hub>,
+    pub status: Arc<Status>,
+    pub subscriber_limits: subscriber::Limits,
+    pub ping_interval: std::time::Duration,
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/", get(ok))
+        .route("/keepalive", get(ok))
+        .route("/status", get(status_json))
+        .route("/replication/{version}/changes", get(changes::changes))
+        .route("/replication/{version}/snapshot", get(changes::snapshot))
+        .with_state(state)
+}
+
+async fn ok() -> &'static str {
+    "OK"
+}
+
+async fn status_json(State(state): State<AppState>) -> Json<Snapshot> {
+    Json(state.status.snapshot())
+}
+
+/// Binds `addr` (so a taken port fails start-up with a clear error) and
+/// returns the bound address and the serving future.
+pub async fn bind(
+    addr: &str,
+    router: Router,
+    mut shutdown: watch::Receiver<bool>,
+) -> anyhow::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    let local = listener.local_addr()?;
+    let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
+        let _ = shutdown.wait_for(|stop| *stop).await;
+    });
+    Ok((local, async move { serve.await }))
+}

@@ -1,0 +1,476 @@
+//! One subscriber: a replica following the stream.
+//!
+//! A subscriber starts catching up: live changes go to a backlog while rows
+//! from the change log are sent. Once caught up, the backlog is drained in
+//! order and live changes go straight out. Every change is filtered by the
+//! subscriber's watermark (the last commit it was sent), so replays and the
+//! overlap between catch-up and live traffic are dropped: each transaction
+//! arrives exactly once.
+//!
+//! Messages go to the connection task through an unbounded queue whose bytes
+//! are counted; the connection reports consumption (the peer's acks), which
+//! is what flow control, acks and purging are based on.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+
+use crate::change::{Change, Kind};
+
+/// Zero's error types for subscribers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ErrorType {
+    WrongReplicaVersion = 1,
+    WatermarkTooOld = 2,
+    StreamTooFarBehind = 3,
+}
+
+/// A change and the commit watermark of its transaction.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub watermark: Arc<str>,
+    pub change: Change,
+}
+
+/// What the connection task sends.
+#[derive(Debug)]
+pub enum Frame {
+    /// A message (already JSON). `commit` is set for commits, whose
+    /// consumption advances the subscriber's ack.
+    Message { json: Arc<str>, commit: Option<Arc<str>> },
+    /// Send this error message, then close once it is consumed.
+    Error(String),
+    /// Close now, without an error (the peer reconnects and retries).
+    Close,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Backlog kept while catching up; beyond it the subscriber is closed
+    /// (it reconnects and catches up further from the log).
+    pub backlog_bytes: usize,
+    /// Sent but unconsumed bytes a caught-up subscriber may have; beyond it
+    /// the subscriber is closed the same way.
+    pub pending_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { backlog_bytes: 16 << 20, pending_bytes: 64 << 20 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Serving,
+    Backup,
+}
+
+pub struct Subscriber {
+    pub id: String,
+    pub task_id: String,
+    pub mode: Mode,
+    pub protocol: u32,
+    /// The watermark it asked to start after.
+    pub start: String,
+    limits: Limits,
+    state: Mutex<State>,
+    out: mpsc::UnboundedSender<Frame>,
+    /// Bytes queued for or sent to the peer and not yet consumed.
+    pending_bytes: AtomicUsize,
+    /// Messages consumed so far (for flow control waits).
+    consumed: watch::Sender<u64>,
+    /// Messages handed to the connection so far.
+    enqueued: AtomicU64,
+}
+
+struct State {
+    /// Last commit sent.
+    watermark: Arc<str>,
+    /// Last commit consumed.
+    acked: Arc<str>,
+    backlog: Option<VecDeque<Entry>>,
+    backlog_bytes: usize,
+    initialized: bool,
+    closed: bool,
+    missed_last_timeout: bool,
+    lagging_since: Option<Instant>,
+    samples: VecDeque<(Instant, u64)>,
+}
+
+/// Handed to the connection task: where to read frames from.
+pub struct Connection {
+    pub frames: mpsc::UnboundedReceiver<Frame>,
+}
+
+impl Subscriber {
+    pub fn new(
+        id: String,
+        task_id: String,
+        mode: Mode,
+        protocol: u32,
+        watermark: String,
+        limits: Limits,
+    ) -> (Arc<Subscriber>, Connection) {
+        let (out, frames) = mpsc::unbounded_channel();
+        let w: Arc<str> = watermark.as_str().into();
+        let sub = Subscriber {
+            id,
+            task_id,
+            mode,
+            protocol,
+            start: watermark,
+            limits,
+            state: Mutex::new(State {
+                watermark: w.clone(),
+                acked: w,
+                backlog: Some(VecDeque::new()),
+                backlog_bytes: 0,
+                initialized: false,
+                closed: false,
+                missed_last_timeout: false,
+                lagging_since: None,
+                samples: VecDeque::from([(Instant::now(), 0)]),
+            }),
+            out,
+            pending_bytes: AtomicUsize::new(0),
+            consumed: watch::channel(0).0,
+            enqueued: AtomicU64::new(0),
+        };
+        (Arc::new(sub), Connection { frames })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The last commit consumed: this subscriber's contribution to the purge floor.
+    pub fn acked(&self) -> Arc<str> {
+        self.lock().acked.clone()
+    }
+
+    pub fn watermark(&self) -> Arc<str> {
+        self.lock().watermark.clone()
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    pub fn is_catching_up(&self) -> bool {
+        self.lock().backlog.is_some()
+    }
+
+    /// A live change from the forwarder.
+    pub fn send(&self, entry: &Entry) {
+        let mut st = self.lock();
+        if st.closed || *entry.watermark <= *st.watermark {
+            return;
+        }
+        if let Some(backlog) = st.backlog.as_mut() {
+            backlog.push_back(entry.clone());
+            st.backlog_bytes += entry.change.json.len();
+            if st.backlog_bytes > self.limits.backlog_bytes {
+                tracing::info!(
+                    subscriber = %self.id,
+                    "live backlog passed {} MiB while catching up; closing so it reconnects and catches up from the log",
+                    self.limits.backlog_bytes >> 20
+                );
+                self.close_locked(&mut st, None);
+            }
+            return;
+        }
+        self.send_change(&mut st, entry);
+    }
+
+    /// A change read from the change log during catch-up.
+    pub fn catchup(&self, entry: &Entry) {
+        let mut st = self.lock();
+        if st.closed {
+            return;
+        }
+        self.initialize(&mut st);
+        self.send_change(&mut st, entry);
+    }
+
+    /// Catch-up is done: send the backlog, then go live.
+    pub fn set_caught_up(&self) {
+        let mut st = self.lock();
+        if st.closed {
+            return;
+        }
+        self.initialize(&mut st);
+        if let Some(backlog) = st.backlog.take() {
+            st.backlog_bytes = 0;
+            for entry in &backlog {
+                self.send_change(&mut st, entry);
+            }
+        }
+    }
+
+    fn initialize(&self, st: &mut State) {
+        if !st.initialized {
+            st.initialized = true;
+            self.push(st, Arc::from("[\"status\",{\"tag\":\"status\"}]"), None);
+        }
+    }
+
+    fn send_change(&self, st: &mut State, entry: &Entry) {
+        if *entry.watermark <= *st.watermark {
+            return;
+        }
+        if entry.change.tag == "update-table-metadata" && self.protocol < 5 {
+            return;
+        }
+        let commit = if entry.change.kind == Kind::Commit {
+            st.watermark = entry.watermark.clone();
+            Some(entry.watermark.clone())
+        } else {
+            None
+        };
+        self.push(st, entry.change.json.clone(), commit);
+    }
+
+    fn push(&self, st: &mut State, json: Arc<str>, commit: Option<Arc<str>>) {
+        let pending = self.pending_bytes.fetch_add(json.len(), Ordering::AcqRel) + json.len();
+        self.enqueued.fetch_add(1, Ordering::AcqRel);
+        if self.out.send(Frame::Message { json, commit }).is_err() {
+            st.closed = true;
+            return;
+        }
+        if pending > self.limits.pending_bytes && st.backlog.is_none() {
+            tracing::info!(
+                subscriber = %self.id,
+                "more than {} MiB sent but not consumed; closing so it reconnects and catches up from the log",
+                self.limits.pending_bytes >> 20
+            );
+            self.close_locked(st, None);
+        }
+    }
+
+    /// Called by the connection when the peer consumed a message.
+    pub fn consumed(&self, bytes: usize, commit: Option<&Arc<str>>) {
+        self.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        if let Some(w) = commit {
+            let mut st = self.lock();
+            if **w > *st.acked {
+                st.acked = w.clone();
+            }
+        }
+        self.consumed.send_modify(|n| *n += 1);
+    }
+
+    pub fn pending_bytes(&self) -> usize {
+        self.pending_bytes.load(Ordering::Acquire)
+    }
+
+    /// Waits until fewer than `bytes` are pending (or the subscriber closed).
+    pub async fn wait_pending_below(&self, bytes: usize) {
+        let mut rx = self.consumed.subscribe();
+        while self.pending_bytes() >= bytes && !self.is_closed() {
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// A flow-control target: the count of messages enqueued so far.
+    pub fn enqueued(&self) -> u64 {
+        self.enqueued.load(Ordering::Acquire)
+    }
+
+    /// Resolves once `target` messages were consumed, the backlog (while
+    /// catching up) is below its limit, or the subscriber closed.
+    pub async fn wait_consumed(&self, target: u64) {
+        let mut rx = self.consumed.subscribe();
+        loop {
+            {
+                let st = self.lock();
+                if st.closed
+                    || st.backlog.as_ref().is_some_and(|_| st.backlog_bytes < self.limits.backlog_bytes / 10 * 8)
+                {
+                    return;
+                }
+            }
+            if *rx.borrow_and_update() >= target {
+                return;
+            }
+            let closed = tokio::time::timeout(Duration::from_millis(200), rx.changed()).await;
+            if matches!(closed, Ok(Err(_))) {
+                return;
+            }
+        }
+    }
+
+    /// Ends the subscription; with an error, that message is sent first.
+    pub fn close(&self, error: Option<(ErrorType, String)>) {
+        let mut st = self.lock();
+        self.close_locked(&mut st, error);
+    }
+
+    fn close_locked(&self, st: &mut State, error: Option<(ErrorType, String)>) {
+        if st.closed {
+            return;
+        }
+        st.closed = true;
+        st.backlog = None;
+        st.backlog_bytes = 0;
+        let frame = match error {
+            Some((kind, message)) => {
+                let mut json = format!("[\"error\",{{\"type\":{},\"message\":", kind as u8);
+                crate::change::json::push_str(&mut json, &message);
+                json.push_str("}]");
+                Frame::Error(json)
+            }
+            None => Frame::Close,
+        };
+        let _ = self.out.send(frame);
+        self.consumed.send_modify(|_| {});
+    }
+
+    // ---- Laggard detection (Zero's progress monitor) ----
+
+    pub fn track_response(&self, on_time: bool) {
+        let mut st = self.lock();
+        st.missed_last_timeout = !on_time;
+        if on_time {
+            st.lagging_since = None;
+        }
+    }
+
+    pub fn missed_last_timeout(&self) -> bool {
+        self.lock().missed_last_timeout
+    }
+
+    /// Records a sample of consumed messages; keeps the last ten.
+    pub fn sample(&self, now: Instant) {
+        let n = *self.consumed.borrow();
+        let mut st = self.lock();
+        while st.samples.len() >= 10 {
+            st.samples.pop_front();
+        }
+        st.samples.push_back((now, n));
+    }
+
+    /// Messages consumed per second over the samples.
+    pub fn process_rate(&self) -> f64 {
+        let st = self.lock();
+        match (st.samples.front(), st.samples.back()) {
+            (Some((t0, n0)), Some((t1, n1))) if t1 > t0 => (n1 - n0) as f64 / (*t1 - *t0).as_secs_f64(),
+            _ => 0.0,
+        }
+    }
+
+    /// For a subscriber that missed the last timeout: `lagging` starts (or
+    /// continues) its clock and returns how long it has lagged;
+    /// catching up resets it.
+    pub fn report_lag(&self, now: Instant, lagging: bool) -> Duration {
+        let mut st = self.lock();
+        if !lagging {
+            st.lagging_since = None;
+            return Duration::ZERO;
+        }
+        let since = *st.lagging_since.get_or_insert(now);
+        now - since
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(w: &str, tag: &str, json: &str) -> Entry {
+        let stored = &json[json.find(',').unwrap() + 1..if tag == "begin" || tag == "commit" {
+            json.rfind(',').unwrap()
+        } else {
+            json.len() - 1
+        }];
+        Entry { watermark: w.into(), change: Change::from_stored(tag, stored, w) }
+    }
+
+    fn begin(w: &str) -> Entry {
+        entry(w, "begin", &format!("[\"begin\",{{\"tag\":\"begin\"}},{{\"commitWatermark\":\"{w}\"}}]"))
+    }
+    fn commit(w: &str) -> Entry {
+        entry(w, "commit", &format!("[\"commit\",{{\"tag\":\"commit\"}},{{\"watermark\":\"{w}\"}}]"))
+    }
+
+    fn drain(conn: &mut Connection) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Ok(f) = conn.frames.try_recv() {
+            out.push(match f {
+                Frame::Message { json, .. } => json.to_string(),
+                Frame::Error(e) => format!("error {e}"),
+                Frame::Close => "close".into(),
+            });
+        }
+        out
+    }
+
+    fn sub(w: &str) -> (Arc<Subscriber>, Connection) {
+        Subscriber::new("s".into(), "t".into(), Mode::Serving, 6, w.into(), Limits::default())
+    }
+
+    #[test]
+    fn catchup_then_backlog_then_live() {
+        let (s, mut c) = sub("01");
+        s.send(&begin("12"));
+        s.send(&commit("12"));
+        s.catchup(&begin("02"));
+        s.catchup(&commit("02"));
+        assert_eq!(drain(&mut c).len(), 3, "status + catch-up, backlog held");
+        s.set_caught_up();
+        s.send(&begin("22"));
+        s.send(&commit("22"));
+        let got = drain(&mut c);
+        assert_eq!(got.len(), 4);
+        assert!(got[0].contains("\"commitWatermark\":\"12\"") && got[3].contains("\"watermark\":\"22\""));
+    }
+
+    #[test]
+    fn watermark_filters_replays() {
+        let (s, mut c) = sub("123");
+        s.catchup(&begin("01"));
+        s.catchup(&commit("01"));
+        s.set_caught_up();
+        for w in ["121", "123", "124", "125", "124", "125"] {
+            s.send(&begin(w));
+            s.send(&commit(w));
+        }
+        let got = drain(&mut c);
+        assert_eq!(got.len(), 5, "status, 124 and 125 once each: {got:?}");
+        assert_eq!(got[0], "[\"status\",{\"tag\":\"status\"}]");
+    }
+
+    #[test]
+    fn acks_advance_on_consumed_commits_and_close_sends_the_error() {
+        let (s, mut c) = sub("00");
+        s.set_caught_up();
+        s.send(&begin("02"));
+        s.send(&commit("02"));
+        let _ = drain(&mut c);
+        let w: Arc<str> = "02".into();
+        s.consumed(10, Some(&w));
+        assert_eq!(&*s.acked(), "02");
+        s.close(Some((ErrorType::WatermarkTooOld, "too old".into())));
+        assert_eq!(drain(&mut c), ["error [\"error\",{\"type\":2,\"message\":\"too old\"}]"]);
+        s.send(&begin("03"));
+        assert!(drain(&mut c).is_empty(), "nothing after close");
+    }
+
+    #[test]
+    fn lag_clock_accumulates_and_resets() {
+        let (s, _c) = sub("00");
+        let t0 = Instant::now();
+        assert_eq!(s.report_lag(t0, true), Duration::ZERO);
+        assert_eq!(s.report_lag(t0 + Duration::from_millis(500), true), Duration::from_millis(500));
+        assert_eq!(s.report_lag(t0 + Duration::from_millis(600), false), Duration::ZERO);
+        assert_eq!(s.report_lag(t0 + Duration::from_millis(700), true), Duration::ZERO);
+        s.track_response(true);
+        assert_eq!(s.report_lag(t0 + Duration::from_millis(900), true), Duration::ZERO);
+    }
+}
