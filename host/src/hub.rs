@@ -111,9 +111,9 @@ impl Hub {
     pub fn publish(&self, storer: &Storer, watermark: &Arc<str>, change: Change) {
         let mut inner = self.lock();
         storer.store(watermark, &change);
-        if !inner.forwarder.is_empty() {
-            inner.forwarder.forward(&Entry { watermark: watermark.clone(), change });
-        }
+        // Always forward, even to nobody: the forwarder tracks transaction
+        // boundaries for subscribers that join later.
+        inner.forwarder.forward(&Entry { watermark: watermark.clone(), change });
     }
 
     /// Forwards without storing (the synthetic rollback of an interrupted

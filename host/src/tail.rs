@@ -1,8 +1,11 @@
 //! `sluice tail`: a small subscriber for people. Prints each message, acks
 //! as it goes.
 
+use std::io::Write;
+
 use anyhow::Context;
 use futures::{SinkExt, StreamExt};
+use serde_json::value::RawValue;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_tungstenite::tungstenite::Message;
 
@@ -76,17 +79,24 @@ pub async fn run(opts: TailOptions) -> anyhow::Result<()> {
         std::process::id()
     );
     let (mut ws, _) = tokio_tungstenite::connect_async(&url).await.with_context(|| format!("connecting to {url}"))?;
+    #[derive(serde::Deserialize)]
+    struct Frame<'a> {
+        id: u64,
+        #[serde(borrow)]
+        msg: &'a RawValue,
+    }
     let mut commits = 0u64;
+    let mut stdout = std::io::stdout().lock();
     while let Some(frame) = ws.next().await {
         match frame.context("reading from the server")? {
             Message::Text(text) => {
-                let v: serde_json::Value = serde_json::from_str(&text).context("server sent invalid JSON")?;
-                let id = v["id"].as_u64().context("frame without an id")?;
-                let msg = &v["msg"];
-                if opts.json {
-                    println!("{msg}");
-                } else {
-                    println!("{}", describe(msg));
+                let frame: Frame<'_> = serde_json::from_str(&text).context("server sent an invalid frame")?;
+                let id = frame.id;
+                let msg: serde_json::Value = serde_json::from_str(frame.msg.get())?;
+                let line = if opts.json { frame.msg.get().to_string() } else { describe(&msg) };
+                if writeln!(stdout, "{line}").is_err() {
+                    // The reader went away (`| head`): a normal way to stop.
+                    return Ok(());
                 }
                 ws.send(Message::Text(format!("{{\"ack\":{id}}}").into())).await?;
                 if msg[0] == "error" {
@@ -96,6 +106,8 @@ pub async fn run(opts: TailOptions) -> anyhow::Result<()> {
                     commits += 1;
                     if opts.max_tx.is_some_and(|n| commits >= n) {
                         let _ = ws.close(None).await;
+                        // Finish the closing handshake.
+                        while let Some(Ok(_)) = ws.next().await {}
                         return Ok(());
                     }
                 }

@@ -447,8 +447,10 @@ impl Streamer {
             Kind::Data | Kind::Rollback => {}
         }
         let tx = state.tx.clone().expect("checked above: a transaction is open");
-        storer.store(&tx, &change);
-        match change.kind {
+        let kind = change.kind;
+        state.unflushed_bytes += change.json.len();
+        self.hub.publish(storer, &tx, change);
+        match kind {
             Kind::Commit => {
                 state.last_commit = tx.to_string();
                 state.commits += 1;

@@ -1,0 +1,101 @@
+// Subscribes to a change streamer with Zero's own client (ChangeStreamerHttpClient
+// from @rocicorp/zero 1.9.0) and checks what arrives against the mock source's
+// known stream: every transaction once, in order, every message passing Zero's
+// downstream schema, big integers intact. Reconnects from the last processed
+// commit when the connection drops.
+//
+// usage: node subscribe.mjs ws://HOST:PORT REPLICA_VERSION TRANSACTIONS
+// Prints progress lines ("commit W") and a final JSON summary line.
+
+const zeroSrc = new URL('./node_modules/@rocicorp/zero/out/zero-cache/src/', import.meta.url);
+const { ChangeStreamerHttpClient } = await import(new URL('services/change-streamer/change-streamer-http.js', zeroSrc));
+const { downstreamSchema } = await import(new URL('services/change-streamer/change-streamer.js', zeroSrc));
+const { parse } = await import(new URL('../../shared/src/valita.js', zeroSrc));
+const { LogContext } = await import('@rocicorp/logger');
+
+const [url, replicaVersion, total] = process.argv.slice(2);
+const want = Number(total);
+
+function lexi(n) {
+  const s = BigInt(n).toString(36);
+  return (s.length - 1).toString(36) + s;
+}
+
+const lc = new LogContext('error', {});
+// The change DB is only used for discovery, which a fixed URI skips.
+const client = new ChangeStreamerHttpClient(lc, { appID: 'zero', shardNum: 0 }, 'postgres://127.0.0.1:1/unused', url);
+
+const commits = [];
+const problems = [];
+let watermark = replicaVersion;
+let reconnects = 0;
+let messages = 0;
+
+function fail(msg) {
+  problems.push(msg);
+}
+
+while (commits.length < want && reconnects < 200) {
+  let sub;
+  try {
+    sub = await client.subscribe({
+      protocolVersion: 6, id: 'zero-interop', taskID: 'interop', mode: 'serving',
+      replicaVersion, watermark, initial: false,
+    });
+  } catch (e) {
+    reconnects++;
+    await new Promise(r => setTimeout(r, 200));
+    continue;
+  }
+  let first = true;
+  let open = null;
+  try {
+    for await (const msg of sub) {
+      messages++;
+      try {
+        parse(msg, downstreamSchema, 'passthrough');
+      } catch (e) {
+        fail(`message fails Zero's schema: ${String(e)}`);
+      }
+      const [kind, body, extra] = msg;
+      if (first && kind !== 'status') fail(`first message is ${kind}, not status`);
+      first = false;
+      if (kind === 'error') {
+        fail(`error from server: ${JSON.stringify(body)}`);
+        break;
+      } else if (kind === 'begin') {
+        if (open) fail(`begin ${extra.commitWatermark} inside ${open}`);
+        open = extra.commitWatermark;
+      } else if (kind === 'data') {
+        if (!open) fail('data outside a transaction');
+        if (body.tag === 'insert') {
+          const { id, big } = body.new;
+          if (typeof big !== 'bigint' || big !== (1n << 60n) + BigInt(id)) fail(`big integer not intact: ${big} for id ${id}`);
+        }
+      } else if (kind === 'rollback') {
+        open = null;
+      } else if (kind === 'commit') {
+        const w = extra.watermark;
+        if (w !== open) fail(`commit ${w} does not match begin ${open}`);
+        open = null;
+        commits.push(w);
+        watermark = w;
+        console.log(`commit ${w}`);
+        if (commits.length >= want) break;
+      }
+    }
+  } catch (e) {
+    // The connection dropped: reconnect from the last processed commit.
+  }
+  sub.cancel?.();
+  if (commits.length < want) {
+    reconnects++;
+    await new Promise(r => setTimeout(r, 200));
+  }
+}
+
+const expected = Array.from({ length: want }, (_, i) => lexi(i + 1));
+const inOrder = commits.length === want && commits.every((w, i) => w === expected[i]);
+if (!inOrder) fail(`commits differ from 1..${want}: got ${commits.length}, first mismatch at ${commits.findIndex((w, i) => w !== expected[i])}`);
+console.log(JSON.stringify({ commits: commits.length, reconnects, messages, problems }));
+process.exit(problems.length ? 1 : 0);
