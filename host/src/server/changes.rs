@@ -165,7 +165,7 @@ async fn pump(socket: WebSocket, sub: &Arc<Subscriber>, mut conn: Connection, pi
                     Some(Frame::Message { json, commit }) => { let n = json.len(); (json, n, commit, false) }
                     Some(Frame::Error(json)) => (Arc::from(json.as_str()), 0, None, true),
                     Some(Frame::Close) | None => {
-                        let _ = tx.send(Message::Close(None)).await;
+                        let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(normal_close())).await;
                         return "closed by the server".into();
                     }
                 };
@@ -176,8 +176,20 @@ async fn pump(socket: WebSocket, sub: &Arc<Subscriber>, mut conn: Connection, pi
                 text.push_str(",\"msg\":");
                 text.push_str(&json);
                 text.push('}');
-                if let Err(e) = tx.send(Message::Text(Utf8Bytes::from(text))).await {
-                    return format!("send failed: {e}");
+                // A peer that stops reading fills the socket and blocks the
+                // send; closing the subscriber must still end it.
+                tokio::select! {
+                    sent = tx.send(Message::Text(Utf8Bytes::from(text))) => {
+                        if let Err(e) = sent {
+                            return format!("send failed: {e}");
+                        }
+                    }
+                    _ = async {
+                        sub.closed().await;
+                        // Give what was queued before the close a moment to go out.
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    } => return "closed while the peer was not reading".into(),
+
                 }
                 in_flight.push_back(InFlight { id: next_id, bytes, commit, last });
             }
@@ -201,7 +213,7 @@ async fn pump(socket: WebSocket, sub: &Arc<Subscriber>, mut conn: Connection, pi
                         let Some(front) = in_flight.pop_front() else { continue };
                         sub.consumed(front.bytes, front.commit.as_ref());
                         if front.last {
-                            let _ = tx.send(Message::Close(None)).await;
+                            let _ = tx.send(normal_close()).await;
                             return "closed after sending an error".into();
                         }
                     }
@@ -232,6 +244,10 @@ async fn close_with_error_split(tx: &mut futures::stream::SplitSink<WebSocket, M
     tracing::warn!("closing subscriber connection: {message}");
     let reason = elide(&format!("Error: {message}"), 123);
     let _ = tx.send(Message::Close(Some(CloseFrame { code: 1011, reason: reason.into() }))).await;
+}
+
+fn normal_close() -> Message {
+    Message::Close(Some(CloseFrame { code: 1000, reason: Utf8Bytes::from_static("") }))
 }
 
 fn parse_ack(text: &str) -> Result<u64, String> {

@@ -268,7 +268,18 @@ impl Subscriber {
         self.pending_bytes.load(Ordering::Acquire)
     }
 
+    /// Resolves once the subscriber is closed.
+    pub async fn closed(&self) {
+        let mut rx = self.consumed.subscribe();
+        while !self.is_closed() {
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// Waits until fewer than `bytes` are pending (or the subscriber closed).
+
     pub async fn wait_pending_below(&self, bytes: usize) {
         let mut rx = self.consumed.subscribe();
         while self.pending_bytes() >= bytes && !self.is_closed() {

@@ -1,0 +1,502 @@
+//! Subscribers over real WebSockets: catch-up and live hand-off, acks,
+//! purging, errors and bad requests (Zero's §8.1, §8.4-§8.6 cases).
+
+mod common;
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use common::*;
+use futures::{SinkExt, StreamExt};
+use sluice::cleanup::{purge_once, CleanupOptions};
+use sluice::hub::Hub;
+use sluice::server::AppState;
+use sluice::source::model::{Begin, Commit, Delete, Insert, KeyType, Message, Relation, Value};
+use sluice::source::{ChangeSource, ChangeStream, SourceError};
+use sluice::status::Status;
+use sluice::storage::sqlite::{Durability, SqliteChangeLog, SqliteReader};
+use sluice::streamer::{Streamer, StreamerOptions};
+use tokio::sync::watch;
+use tokio_tungstenite::tungstenite::Message as Ws;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A source fed by the test: messages are delivered in the order pushed;
+/// `fail` ends the current stream, later messages go to the next open.
+#[derive(Clone, Default)]
+struct Feed {
+    items: Arc<Mutex<VecDeque<Option<Message>>>>,
+    opens: Arc<Mutex<Vec<Option<String>>>>,
+}
+
+impl Feed {
+    fn push(&self, m: Message) {
+        self.items.lock().unwrap().push_back(Some(m));
+    }
+    fn fail(&self) {
+        self.items.lock().unwrap().push_back(None);
+    }
+    fn tx(&self, w: &str, ids: &[i64]) {
+        self.push(begin(w));
+        for id in ids {
+            self.push(insert(*id));
+        }
+        self.push(commit(w));
+    }
+}
+
+struct FeedStream(Feed);
+
+#[async_trait]
+impl ChangeSource for Feed {
+    fn name(&self) -> &str {
+        "feed"
+    }
+    async fn open(&mut self, resume_after: Option<&str>) -> Result<Box<dyn ChangeStream>, SourceError> {
+        self.opens.lock().unwrap().push(resume_after.map(str::to_string));
+        let mut items = self.items.lock().unwrap();
+        items.push_front(Some(relation()));
+        Ok(Box::new(FeedStream(self.clone())))
+    }
+}
+
+#[async_trait]
+impl ChangeStream for FeedStream {
+    fn replica_version(&self) -> &str {
+        "01"
+    }
+    async fn next_batch(&mut self, _max: u32) -> Result<Vec<Message>, SourceError> {
+        let next = self.0.items.lock().unwrap().pop_front();
+        match next {
+            Some(Some(m)) => Ok(vec![m]),
+            Some(None) => Err(SourceError::Transient("feed: injected failure".into())),
+            None => {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                Ok(vec![])
+            }
+        }
+    }
+    async fn ack(&mut self, _watermark: &str) -> Result<(), SourceError> {
+        Ok(())
+    }
+}
+
+fn relation() -> Message {
+    Message::Relation(Relation {
+        id: 0,
+        schema: "public".into(),
+        name: "foo".into(),
+        columns: vec!["id".into(), "big".into()],
+        key_columns: vec!["id".into()],
+        key_type: KeyType::Default,
+    })
+}
+fn begin(w: &str) -> Message {
+    Message::Begin(Begin { commit_watermark: w.into(), extra: None })
+}
+fn insert(id: i64) -> Message {
+    Message::Insert(Insert { relation: 0, new: vec![Value::Int(id), Value::Int(987654321987654321 + id)] })
+}
+fn delete(id: i64) -> Message {
+    Message::Delete(Delete { relation: 0, old: vec![Value::Int(id), Value::Absent] })
+}
+fn commit(w: &str) -> Message {
+    Message::Commit(Commit { watermark: w.into(), extra: None })
+}
+
+struct Server {
+    addr: String,
+    db: std::path::PathBuf,
+    status: Arc<Status>,
+    hub: Arc<Hub>,
+    feed: Feed,
+    stop: watch::Sender<bool>,
+    _dir: tempfile::TempDir,
+}
+
+async fn server_with(limits: sluice::subscriber::Limits) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("log.db");
+    let log = SqliteChangeLog::open(&db, Durability::Full).unwrap();
+    let status = Arc::new(Status::default());
+    let hub = Hub::new(Arc::new(SqliteReader::new(&db)), status.clone());
+    let (stop, stop_rx) = watch::channel(false);
+    let app = AppState {
+        hub: hub.clone(),
+        status: status.clone(),
+        subscriber_limits: limits,
+        ping_interval: Duration::from_secs(30),
+    };
+    let (addr, serve) =
+        sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx.clone()).await.unwrap();
+    tokio::spawn(serve);
+    let feed = Feed::default();
+    let streamer =
+        Streamer::new(Box::new(feed.clone()), Box::new(log), hub.clone(), StreamerOptions::default(), status.clone());
+    tokio::spawn(streamer.run(stop_rx));
+    let s = Server { addr: addr.to_string(), db, status, hub, feed, stop, _dir: dir };
+    // The log exists once the first stream is open.
+    let st = s.status.clone();
+    wait_until("the stream to open", WAIT, || {
+        let rv = st.snapshot().replica_version;
+        async move { rv.is_some() }
+    })
+    .await;
+    s
+}
+
+async fn server() -> Server {
+    server_with(sluice::subscriber::Limits::default()).await
+}
+
+impl Server {
+    async fn stored(&self, w: &str) {
+        let st = self.status.clone();
+        wait_until(&format!("{w} stored"), WAIT, || {
+            let s = st.snapshot();
+            async move { s.last_watermark.as_deref() == Some(w) }
+        })
+        .await;
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+type Socket = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+struct Client {
+    ws: Socket,
+}
+
+impl Client {
+    async fn connect(addr: &str, query: &str) -> Client {
+        let url = format!("ws://{addr}/replication/v6/changes?{query}");
+        let (ws, _) = tokio_tungstenite::connect_async(url).await.unwrap();
+        Client { ws }
+    }
+
+    async fn subscribe(addr: &str, watermark: &str) -> Client {
+        Client::connect(addr, &format!("id=test&taskID=t&replicaVersion=01&watermark={watermark}")).await
+    }
+
+    /// The next message's JSON (raw text of `msg`), acking it.
+    async fn next(&mut self) -> Option<String> {
+        loop {
+            let frame = tokio::time::timeout(WAIT, self.ws.next()).await.expect("a message in time")?.ok()?;
+            match frame {
+                Ws::Text(t) => {
+                    #[derive(serde::Deserialize)]
+                    struct Frame<'a> {
+                        id: u64,
+                        #[serde(borrow)]
+                        msg: &'a serde_json::value::RawValue,
+                    }
+                    let f: Frame<'_> = serde_json::from_str(&t).unwrap();
+                    self.ws.send(Ws::Text(format!("{{\"ack\":{}}}", f.id).into())).await.ok()?;
+                    return Some(f.msg.get().to_string());
+                }
+                Ws::Close(_) => return None,
+                _ => continue,
+            }
+        }
+    }
+
+    /// Reads `n` messages and summarises each as "tag watermark-or-detail".
+    async fn take(&mut self, n: usize) -> Vec<String> {
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let m = self.next().await.expect("stream still open");
+            out.push(summary(&m));
+        }
+        out
+    }
+
+    async fn close_reason(mut self) -> (u16, String) {
+        loop {
+            match tokio::time::timeout(WAIT, self.ws.next()).await.expect("close in time") {
+                Some(Ok(Ws::Close(Some(f)))) => return (u16::from(f.code), f.reason.to_string()),
+                Some(Ok(Ws::Close(None))) | None => return (1005, String::new()),
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => panic!("socket error before close: {e}"),
+            }
+        }
+    }
+}
+
+fn summary(msg: &str) -> String {
+    let v: serde_json::Value = serde_json::from_str(msg).unwrap();
+    match v[0].as_str().unwrap() {
+        "begin" => format!("begin {}", v[2]["commitWatermark"].as_str().unwrap()),
+        "commit" => format!("commit {}", v[2]["watermark"].as_str().unwrap()),
+        "data" => format!(
+            "{} {}",
+            v[1]["tag"].as_str().unwrap(),
+            v[1]["new"]["id"].as_i64().or(v[1]["key"]["id"].as_i64()).unwrap_or(-1)
+        ),
+        "error" => format!("error {} {}", v[1]["type"], v[1]["message"].as_str().unwrap_or("")),
+        other => other.to_string(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn catches_up_from_the_log_then_continues_live() {
+    let s = server().await;
+    s.feed.tx("09", &[1, 2]);
+    s.stored("09").await;
+    let mut c = Client::subscribe(&s.addr, "01").await;
+    assert_eq!(c.take(5).await, ["status", "begin 09", "insert 1", "insert 2", "commit 09"]);
+    s.feed.push(begin("0b"));
+    s.feed.push(delete(1));
+    s.feed.push(commit("0b"));
+    assert_eq!(c.take(3).await, ["begin 0b", "delete 1", "commit 0b"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_rollbacks_reach_subscribers() {
+    let s = server().await;
+    s.feed.tx("09", &[1]);
+    s.stored("09").await;
+    let mut c = Client::subscribe(&s.addr, "01").await;
+    assert_eq!(c.take(4).await, ["status", "begin 09", "insert 1", "commit 09"]);
+    s.feed.push(begin("0a"));
+    s.feed.push(delete(1));
+    s.feed.push(Message::Rollback);
+    s.feed.tx("0c", &[3]);
+    assert_eq!(c.take(6).await, ["begin 0a", "delete 1", "rollback", "begin 0c", "insert 3", "commit 0c"]);
+    s.stored("0c").await;
+    assert_eq!(committed(&s.db), ["09", "0c"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_ahead_of_the_log_gets_only_newer_transactions() {
+    let s = server().await;
+    s.feed.tx("09", &[1]);
+    s.stored("09").await;
+    let mut c = Client::subscribe(&s.addr, "0b").await;
+    assert_eq!(c.take(1).await, ["status"]);
+    s.feed.tx("0b", &[2]);
+    s.feed.tx("0c", &[3]);
+    assert_eq!(c.take(3).await, ["begin 0c", "insert 3", "commit 0c"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_and_caught_up_frames_are_byte_identical_with_big_integers_intact() {
+    let s = server().await;
+    let mut live = Client::subscribe(&s.addr, "01").await;
+    assert_eq!(live.take(1).await, ["status"]);
+    s.feed.tx("05", &[7]);
+    let mut from_live = Vec::new();
+    for _ in 0..3 {
+        from_live.push(live.next().await.unwrap());
+    }
+    s.stored("05").await;
+    let mut replay = Client::subscribe(&s.addr, "01").await;
+    assert_eq!(replay.take(1).await, ["status"]);
+    let mut from_log = Vec::new();
+    for _ in 0..3 {
+        from_log.push(replay.next().await.unwrap());
+    }
+    assert_eq!(from_live, from_log);
+    assert!(from_live[1].contains("\"big\":987654321987654328"), "{}", from_live[1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_first_or_watermark_too_old_after_a_purge() {
+    let s = server().await;
+    for w in ["04", "06", "08"] {
+        s.feed.tx(w, &[1]);
+    }
+    s.stored("08").await;
+    // Retention keeps the last three transactions: the seed rows go.
+    let opts = CleanupOptions { retain_transactions: Some(3), ..CleanupOptions::default() };
+    let (_, deleted) = purge_once(&s.hub, &opts).unwrap();
+    assert_eq!(deleted, 2, "the two seed rows");
+    for w in ["04", "08"] {
+        let mut c = Client::subscribe(&s.addr, w).await;
+        assert_eq!(c.take(1).await, ["status"], "subscriber at {w}");
+    }
+    let mut old = Client::subscribe(&s.addr, "02").await;
+    assert_eq!(old.take(1).await, ["error 2 earliest supported watermark is 04 (requested 02)"]);
+    assert_eq!(old.close_reason().await.0, 1000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_floor_is_the_slowest_ack_and_keeps_the_latest_transaction() {
+    let s = server().await;
+    for w in ["03", "04", "05", "06", "07", "08"] {
+        s.feed.tx(w, &[1]);
+    }
+    s.stored("08").await;
+    let mut at6 = Client::subscribe(&s.addr, "06").await;
+    let mut at4 = Client::subscribe(&s.addr, "04").await;
+    assert_eq!(at6.take(1).await, ["status"]);
+    assert_eq!(at4.take(1).await, ["status"]);
+    let opts = CleanupOptions::default();
+    let (floor, _) = purge_once(&s.hub, &opts).unwrap();
+    assert_eq!(floor.as_deref(), Some("04"));
+    let first = rows(&s.db)[0].watermark.clone();
+    assert_eq!(first, "04");
+    // The subscriber at 04 consumes through 08 (acking the last commit by
+    // pulling one more message is not needed: acks go per message).
+    assert_eq!(at4.take(12).await.last().unwrap(), "commit 08");
+    assert_eq!(at6.take(6).await.last().unwrap(), "commit 08");
+    wait_until("acks to reach 08", WAIT, || {
+        let a = s.hub.min_ack();
+        async move { a.as_deref() == Some("08") }
+    })
+    .await;
+    let (floor, _) = purge_once(&s.hub, &opts).unwrap();
+    assert_eq!(floor.as_deref(), Some("08"));
+    assert_eq!(committed(&s.db), ["08"], "only the latest transaction survives");
+    drop((at4, at6));
+    let old = Client::subscribe(&s.addr, "04").await;
+    let mut old = old;
+    assert_eq!(old.take(1).await, ["error 2 earliest supported watermark is 08 (requested 04)"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_replica_version_is_an_error() {
+    let s = server().await;
+    let mut c = Client::connect(&s.addr, "id=x&replicaVersion=01foobar&watermark=01").await;
+    assert_eq!(c.take(1).await, ["error 1 current replica version is 01 (requested 01foobar)"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dying_source_rolls_back_the_open_transaction_exactly_once() {
+    let s = server().await;
+    let mut c = Client::subscribe(&s.addr, "01").await;
+    assert_eq!(c.take(1).await, ["status"]);
+    s.feed.push(begin("09"));
+    s.feed.push(insert(1));
+    s.feed.fail();
+    // The next stream delivers 09 in full.
+    s.feed.tx("09", &[1]);
+    assert_eq!(c.take(6).await, ["begin 09", "insert 1", "rollback", "begin 09", "insert 1", "commit 09"]);
+    // An explicit rollback followed by a failure: one rollback, not two.
+    s.feed.push(begin("0a"));
+    s.feed.push(insert(2));
+    s.feed.push(Message::Rollback);
+    s.feed.fail();
+    s.feed.tx("0b", &[3]);
+    assert_eq!(c.take(6).await, ["begin 0a", "insert 2", "rollback", "begin 0b", "insert 3", "commit 0b"]);
+    assert_eq!(s.feed.opens.lock().unwrap().len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribers_joining_mid_transaction_get_each_transaction_once() {
+    let s = server().await;
+    s.feed.tx("03", &[1]);
+    s.stored("03").await;
+    // Many subscribers join while transactions stream in.
+    let mut clients = Vec::new();
+    for i in 0..20u64 {
+        let w = lexi(i * 5 + 10);
+        s.feed.tx(&w, &[i as i64, i as i64 + 100]);
+        clients.push(Client::subscribe(&s.addr, "03").await);
+    }
+    let last = lexi(19 * 5 + 10);
+    for (n, c) in clients.iter_mut().enumerate() {
+        let mut got = Vec::new();
+        loop {
+            let m = summary(&c.next().await.unwrap());
+            let done = m == format!("commit {last}");
+            got.push(m);
+            if done {
+                break;
+            }
+        }
+        let commits: Vec<&String> = got.iter().filter(|m| m.starts_with("commit")).collect();
+        let expected: Vec<String> = (0..20u64).map(|i| format!("commit {}", lexi(i * 5 + 10))).collect();
+        assert_eq!(commits, expected.iter().collect::<Vec<_>>(), "subscriber {n}");
+        assert_eq!(got.len(), 1 + 20 * 4, "subscriber {n}: status + 20 whole transactions, nothing twice");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_that_stops_reading_does_not_hold_the_others() {
+    let limits = sluice::subscriber::Limits { pending_bytes: 256 << 10, ..Default::default() };
+    let s = server_with(limits).await;
+    let mut stuck = Client::subscribe(&s.addr, "01").await;
+    assert_eq!(stuck.take(1).await, ["status"]);
+    let mut reader = Client::subscribe(&s.addr, "01").await;
+    assert_eq!(reader.take(1).await, ["status"]);
+    for i in 0..400u64 {
+        s.feed.tx(&lexi(i + 2), &[i as i64; 10]);
+    }
+    let last = lexi(401);
+    let mut n = 0;
+    loop {
+        let m = summary(&reader.next().await.unwrap());
+        n += 1;
+        if m == format!("commit {last}") {
+            break;
+        }
+    }
+    assert_eq!(n, 400 * 12);
+    // The stuck one was cut off once its unconsumed bytes passed the limit:
+    // its connection ends (it never reads, so the close may be abrupt).
+    let st = s.status.clone();
+    wait_until("the stuck subscriber to be dropped", WAIT, || {
+        let n = st.snapshot().subscribers;
+        async move { n == 1 }
+    })
+    .await;
+    loop {
+        match tokio::time::timeout(WAIT, stuck.ws.next()).await.expect("the stuck connection ends") {
+            Some(Ok(Ws::Close(_))) | Some(Err(_)) | None => break,
+            Some(Ok(_)) => {}
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_close_with_zeros_reasons() {
+    let s = server().await;
+    let cases = [
+        ("/replication/v6/changes", "Error: invalid querystring - missing id"),
+        ("/replication/v6/changes?id=foo", "Error: invalid querystring - missing replicaVersion"),
+        (
+            "/replication/v6/changes?id=foo&replicaVersion=01&initial=true&taskID=t",
+            "Error: invalid querystring - missing watermark",
+        ),
+        ("/replication/v7/changes", "Error: Cannot service client at protocol v7. Supported protocols: [v1 ... v6]"),
+        ("/replication/v7/snapshot", "Error: Cannot service client at protocol v7. Supported protocols: [v1 ... v6]"),
+        ("/replication/v6/snapshot", "Error: Missing taskID in snapshot request"),
+    ];
+    for (path, reason) in cases {
+        let (ws, _) = tokio_tungstenite::connect_async(format!("ws://{}{path}", s.addr)).await.unwrap();
+        let (code, got) = Client { ws }.close_reason().await;
+        assert_eq!((code, got.as_str()), (1002, reason), "{path}");
+    }
+    for path in ["/", "/?foo=bar", "/keepalive"] {
+        let body = reqwest_get(&s.addr, path).await;
+        assert_eq!(body, "OK", "{path}");
+    }
+}
+
+async fn reqwest_get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    sock.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await.unwrap();
+    let mut buf = String::new();
+    sock.read_to_string(&mut buf).await.unwrap();
+    buf.split_once("\r\n\r\n").unwrap().1.to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_out_of_order_ack_closes_the_stream() {
+    let s = server().await;
+    let url = format!("ws://{}/replication/v6/changes?id=x&replicaVersion=01&watermark=01", s.addr);
+    let (mut ws, _) = tokio_tungstenite::connect_async(url).await.unwrap();
+    let _status = ws.next().await.unwrap().unwrap();
+    ws.send(Ws::Text("{\"ack\":5}".into())).await.unwrap();
+    let (code, reason) = Client { ws }.close_reason().await;
+    assert_eq!(code, 1011);
+    assert_eq!(reason, "Error: Unexpected ack for 1: 5");
+}
