@@ -3,7 +3,7 @@ CARGO ?= cargo
 PLUGINS := mock-source
 PLUGIN_DIR := target/plugins
 
-.PHONY: all build plugins demo test bench fmt lint clean
+.PHONY: all build plugins interop-deps demo test bench fmt lint clean
 
 all: build plugins
 
@@ -26,9 +26,15 @@ demo: build plugins
 	./target/debug/sluice run --plugins $(PLUGIN_DIR) --source mock-source \
 		--source-config '{"rate": 200, "rows_per_tx": 5}' --change-db sqlite:sluice-data/changelog.db
 
+# Zero's published client, for the interoperability test.
+interop-deps:
+	@test -f tests/interop/node_modules/@rocicorp/zero/package.json || \
+		npm install --prefix tests/interop --ignore-scripts --no-audit --no-fund --loglevel=error
+
 # The README's test command: the whole suite.
-test: plugins
+test: plugins interop-deps
 	$(CARGO) test --workspace --exclude mock-source -- --test-threads=2
+
 
 bench: plugins
 	$(CARGO) run --release --bin sluice-bench

@@ -159,3 +159,125 @@ pub async fn broadcast(targets: Vec<(Arc<Subscriber>, u64)>, proportion: f64) ->
     }
     Release::AllSubscribers
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::change::Change;
+    use crate::subscriber::{Connection, Frame, Limits, Mode};
+
+    fn entry(w: &str, tag: &str) -> Entry {
+        let stored = format!("{{\"tag\":\"{tag}\"}}");
+        Entry { watermark: w.into(), change: Change::from_stored(tag, &stored, w) }
+    }
+
+    fn sub(w: &str) -> (Arc<Subscriber>, Connection) {
+        let (s, c) = Subscriber::new("s".into(), "t".into(), Mode::Serving, 6, w.into(), Limits::default());
+        s.set_caught_up();
+        (s, c)
+    }
+
+    fn seen(c: &mut Connection) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Ok(Frame::Message { json, .. }) = c.frames.try_recv() {
+            let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+            out.push(match v[0].as_str().unwrap() {
+                "begin" => format!("begin {}", v[2]["commitWatermark"].as_str().unwrap()),
+                "commit" => format!("commit {}", v[2]["watermark"].as_str().unwrap()),
+                "data" => v[1]["tag"].as_str().unwrap().to_string(),
+                other => other.to_string(),
+            });
+        }
+        out
+    }
+
+    fn queueing(end: &str) -> Vec<Vec<String>> {
+        let mut f = Forwarder::default();
+        let (s1, mut c1) = sub("00");
+        f.add(s1);
+        f.forward(&entry("13", "begin"));
+        let (s2, mut c2) = sub("00");
+        f.add(s2);
+        f.forward(&entry("13", "truncate"));
+        f.forward(&entry("13", end));
+        let (s3, mut c3) = sub("00");
+        f.add(s3);
+        f.forward(&entry("15", "begin"));
+        let (s4, mut c4) = sub("00");
+        f.add(s4);
+        vec![seen(&mut c1), seen(&mut c2), seen(&mut c3), seen(&mut c4)]
+    }
+
+    #[test]
+    fn subscribers_added_in_a_transaction_start_with_the_next_one() {
+        let got = queueing("commit");
+        assert_eq!(got[0], ["status", "begin 13", "truncate", "commit 13", "begin 15"]);
+        assert_eq!(got[1], ["status", "begin 15"]);
+        assert_eq!(got[2], ["status", "begin 15"]);
+        assert_eq!(got[3], ["status"]);
+    }
+
+    #[test]
+    fn the_same_after_a_rollback() {
+        let got = queueing("rollback");
+        assert_eq!(got[0], ["status", "begin 13", "truncate", "rollback", "begin 15"]);
+        assert_eq!(got[1], ["status", "begin 15"]);
+        assert_eq!(got[3], ["status"]);
+    }
+
+    #[tokio::test]
+    async fn broadcast_releases_on_consensus_and_marks_the_late_one() {
+        let subs: Vec<_> = (0..3).map(|_| sub("00")).collect();
+        let targets: Vec<_> = subs.iter().map(|(s, _)| (s.clone(), s.enqueued())).collect();
+        // Two of three consume their status message; the third never does.
+        for (s, _) in &subs[..2] {
+            s.consumed(0, None);
+        }
+        let release = broadcast(targets, 2.0).await;
+        assert_eq!(release, Release::ConsensusTimeout);
+        assert!(!subs[0].0.missed_last_timeout());
+        assert!(subs[2].0.missed_last_timeout());
+    }
+
+    #[tokio::test]
+    async fn broadcast_waits_for_all_without_early_release() {
+        let subs: Vec<_> = (0..3).map(|_| sub("00")).collect();
+        let targets: Vec<_> = subs.iter().map(|(s, _)| (s.clone(), s.enqueued())).collect();
+        for (s, _) in &subs[..2] {
+            s.consumed(0, None);
+        }
+        let late = subs[2].0.clone();
+        let wait = tokio::spawn(broadcast(targets, -1.0));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!wait.is_finished(), "still waiting for the third");
+        late.consumed(0, None);
+        assert_eq!(wait.await.unwrap(), Release::AllSubscribers);
+    }
+
+    #[test]
+    fn a_lagging_subscriber_is_closed_after_the_grace_period() {
+        let (healthy, _c1) = sub("00");
+        let (laggard, mut c2) = sub("00");
+        let mut f = Forwarder::default();
+        f.add(healthy.clone());
+        f.add(laggard.clone());
+        let t0 = Instant::now();
+        // The healthy one processes 10 messages a second, the laggard one.
+        for i in 0..3u64 {
+            for _ in 0..10 {
+                healthy.consumed(0, None);
+            }
+            laggard.consumed(0, None);
+            laggard.track_response(false);
+            f.check_laggards(t0 + Duration::from_millis(500 * i), Some(Duration::from_secs(1)));
+        }
+        assert!(!laggard.is_closed(), "lagging for 1 s is not yet past the grace period");
+        f.check_laggards(t0 + Duration::from_millis(1600), Some(Duration::from_secs(1)));
+        assert!(laggard.is_closed());
+        assert!(!healthy.is_closed());
+        let last = std::iter::from_fn(|| c2.frames.try_recv().ok()).last();
+        assert!(
+            matches!(last, Some(Frame::Error(e)) if e.contains("\"type\":3") && e.contains("lagging for over 1000ms"))
+        );
+    }
+}

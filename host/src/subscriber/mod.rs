@@ -279,7 +279,6 @@ impl Subscriber {
     }
 
     /// Waits until fewer than `bytes` are pending (or the subscriber closed).
-
     pub async fn wait_pending_below(&self, bytes: usize) {
         let mut rx = self.consumed.subscribe();
         while self.pending_bytes() >= bytes && !self.is_closed() {
