@@ -37,7 +37,8 @@ test: plugins interop-deps
 
 
 bench: plugins
-	$(CARGO) run --release --bin sluice-bench
+	$(CARGO) build --release --bin sluice --bin sluice-bench
+	./target/release/sluice-bench
 
 fmt:
 	$(CARGO) fmt --all

@@ -37,7 +37,161 @@ async fn main() -> anyhow::Result<()> {
             store(&registry, &tmp, row_bytes, durability).await?;
         }
     }
+    println!("\n## Fan-out over WebSockets (sluice process on the mock source, 10 rows of 100 B per transaction)");
+    for n in [1usize, 10, 100] {
+        fanout(&tmp, n, 0.0).await?;
+        fanout(&tmp, n, 1000.0).await?;
+    }
+
+    println!("\n## Catch-up: one subscriber replaying the change log");
+    catchup(&registry, &tmp).await?;
     let _ = std::fs::remove_dir_all(&tmp);
+    Ok(())
+}
+
+fn sluice_binary() -> PathBuf {
+    // Built by `make bench` beside this binary.
+    std::env::current_exe().expect("own path").with_file_name("sluice")
+}
+
+fn free_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    l.local_addr().expect("bound").to_string()
+}
+
+/// Peak resident memory of a process, from /proc.
+fn peak_rss_mib(pid: u32) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+fn percentile(sorted: &[u64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i] as f64 / 1000.0
+}
+
+/// One subscriber in the bench process: counts changes, measures commit latency.
+async fn bench_subscriber(addr: String, id: usize, last: String) -> anyhow::Result<(u64, Vec<u64>)> {
+    use futures::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message as Ws;
+    let url = format!("ws://{addr}/replication/v6/changes?id=bench-{id}&replicaVersion=00&watermark=00");
+    let (mut ws, _) = tokio_tungstenite::connect_async(url).await?;
+    let (mut changes, mut latencies) = (0u64, Vec::new());
+    while let Some(frame) = ws.next().await {
+        let Ws::Text(text) = frame? else { continue };
+        let v: serde_json::Value = serde_json::from_str(&text)?;
+        let id = v["id"].as_u64().unwrap_or(0);
+        ws.send(Ws::Text(format!("{{\"ack\":{id}}}").into())).await?;
+        let msg = &v["msg"];
+        match msg[0].as_str() {
+            Some("data") => changes += 1,
+            Some("commit") => {
+                if let Some(sent) = msg[1]["sentAtUs"].as_u64() {
+                    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_micros() as u64;
+                    latencies.push(now.saturating_sub(sent));
+                }
+                if msg[2]["watermark"].as_str() == Some(last.as_str()) {
+                    break;
+                }
+            }
+            Some("error") => anyhow::bail!("subscriber {id}: {}", msg[1]),
+            _ => {}
+        }
+    }
+    Ok((changes, latencies))
+}
+
+async fn fanout(tmp: &Path, subscribers: usize, rate: f64) -> anyhow::Result<()> {
+    let txs: u64 = if rate > 0.0 { 5_000 } else { 20_000 };
+    let addr = free_addr();
+    let db = tmp.join(format!("fanout-{subscribers}-{rate}.db"));
+    let config =
+        serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": 100, "rate": rate, "timestamps": true});
+    // Subscribers connect at the replica version while the source runs;
+    // catch-up covers what was stored before they joined.
+    let mut child = std::process::Command::new(sluice_binary())
+        .args(["run", "--source", "mock-source", "--listen", &addr, "--lag-grace-secs", "0"])
+        .arg("--plugins")
+        .arg(plugin_dir())
+        .arg("--change-db")
+        .arg(format!("sqlite:{}", db.display()))
+        .arg("--source-config")
+        .arg(config.to_string())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    // Wait for the endpoint.
+    let started = Instant::now();
+    while std::net::TcpStream::connect(&addr).is_err() {
+        anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "sluice did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let last = sluice::watermark::to_lexi(txs as u128);
+    let t0 = Instant::now();
+    let tasks: Vec<_> =
+        (0..subscribers).map(|i| tokio::spawn(bench_subscriber(addr.clone(), i, last.clone()))).collect();
+    let mut changes = 0u64;
+    let mut latencies = Vec::new();
+    for t in tasks {
+        let (c, l) = t.await??;
+        changes += c;
+        latencies.extend(l);
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let rss = peak_rss_mib(child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+    latencies.sort_unstable();
+    println!(
+        "{subscribers:>3} subscribers, {}: {:>9.0} changes/s delivered in total, commit latency p50 {:>7.2} ms p99 {:>7.2} ms, sluice peak RSS {:.0} MiB",
+        if rate > 0.0 { format!("source at {rate:.0} tx/s") } else { "source unthrottled".to_string() },
+        changes as f64 / secs,
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99),
+        rss.unwrap_or(0.0)
+    );
+    Ok(())
+}
+
+async fn catchup(registry: &Registry, tmp: &Path) -> anyhow::Result<()> {
+    let txs: u64 = 100_000;
+    let config = serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": 100}).to_string();
+    let source =
+        registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
+    let db = tmp.join("catchup.db");
+    let log = SqliteChangeLog::open(&db, Durability::Normal)?;
+    let status = Arc::new(Status::default());
+    let hub = sluice::hub::Hub::new(Arc::new(sluice::storage::sqlite::SqliteReader::new(&db)), status.clone());
+    let (stop, stop_rx) = watch::channel(false);
+    let app = sluice::server::AppState {
+        hub: hub.clone(),
+        status: status.clone(),
+        subscriber_limits: sluice::subscriber::Limits::default(),
+        ping_interval: Duration::from_secs(30),
+    };
+    let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx.clone()).await?;
+    tokio::spawn(serve);
+    let streamer = Streamer::new(Box::new(source), Box::new(log), hub, StreamerOptions::default(), status.clone());
+    let task = tokio::spawn(streamer.run(stop_rx));
+    let last = sluice::watermark::to_lexi(txs as u128);
+    while status.snapshot().last_watermark.as_deref() != Some(last.as_str()) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let t0 = Instant::now();
+    let (changes, _) = bench_subscriber(addr.to_string(), 0, last).await?;
+    let secs = t0.elapsed().as_secs_f64();
+    println!(
+        "replayed {changes} changes ({} messages with begin/commit) in {secs:.2} s: {:.0} changes/s",
+        changes + 2 * txs,
+        changes as f64 / secs
+    );
+    let _ = stop.send(true);
+    task.await??;
     Ok(())
 }
 

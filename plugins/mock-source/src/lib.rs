@@ -33,6 +33,9 @@ struct Config {
     oom_after: Option<u64>,
     rollback_every: Option<u64>,
     interrupt_every: Option<u64>,
+    /// Put the wall-clock time the commit was produced into the commit
+    /// (`{"sentAtUs": ...}`), for latency measurements.
+    timestamps: bool,
 }
 
 impl Default for Config {
@@ -51,6 +54,7 @@ impl Default for Config {
             oom_after: None,
             rollback_every: None,
             interrupt_every: None,
+            timestamps: false,
         }
     }
 }
@@ -210,7 +214,14 @@ impl State {
         if matches!(self.config.rollback_every, Some(n) if n > 0 && tx % n == 0) {
             Message::Rollback
         } else {
-            Message::Commit(Commit { watermark: lexi(tx), extra: None })
+            let extra = self.config.timestamps.then(|| {
+                let us = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_micros())
+                    .unwrap_or(0);
+                format!("{{\"sentAtUs\":{us}}}")
+            });
+            Message::Commit(Commit { watermark: lexi(tx), extra })
         }
     }
 
