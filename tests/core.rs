@@ -2,6 +2,7 @@
 //! Cases follow Zero's change-streamer tests (§8.1) that need neither
 //! Postgres nor subscribers, plus plugin faults and the command line.
 
+#[macro_use]
 mod common;
 
 use std::io::{Read, Write};
@@ -20,6 +21,25 @@ use sluice::streamer::StreamerOptions;
 
 const WAIT: Duration = Duration::from_secs(60);
 
+on_both_backends!(
+    stores_every_transaction_in_order_with_its_content,
+    rolled_back_transactions_are_not_stored,
+    interrupted_transactions_are_aborted_and_redelivered_once,
+    retries_after_a_source_error,
+    recovers_from_a_trapping_plugin,
+    recovers_from_a_hanging_plugin,
+    recovers_from_a_plugin_that_exhausts_memory,
+    resumes_after_the_last_durable_watermark,
+    data_before_begin_stops_the_service,
+    mismatched_commit_watermark_stops_the_service,
+    acks_commits_once_durable_and_echoes_statuses_after_them,
+    a_stream_failing_mid_transaction_is_reopened_at_the_durable_watermark,
+    replayed_transactions_are_skipped_not_duplicated,
+    reset_required_is_recorded_and_auto_reset_starts_a_new_lineage,
+    reset_required_without_auto_reset_is_recorded_and_streaming_goes_on,
+    a_different_replica_version_resets_the_log
+);
+
 fn tmp() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
 }
@@ -28,20 +48,20 @@ fn all(n: u64) -> Vec<String> {
     (1..=n).map(lexi).collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stores_every_transaction_in_order_with_its_content() {
+async fn stores_every_transaction_in_order_with_its_content(backend: Backend) {
     let dir = tmp();
-    let h = start_mock(dir.path(), json!({"transactions": 20, "rows_per_tx": 3, "tables": 2}), Limits::default()).await;
+    let spec = LogSpec::new(backend, dir.path());
+    let h = start_mock(&spec, json!({"transactions": 20, "rows_per_tx": 3, "tables": 2}), Limits::default()).await;
     h.wait_for_watermark(&lexi(20), WAIT).await;
     h.stop().await.unwrap();
 
-    let rows = rows(&dir.path().join("log.db"));
+    let rows = spec.rows().await;
     assert_eq!(rows.len(), 2 + 20 * 5, "two seed rows, then begin + 3 inserts + commit per transaction");
     assert_eq!((rows[0].tag.as_str(), rows[1].tag.as_str()), ("begin", "commit"));
     assert_eq!(rows[0].watermark, "00");
-    assert_whole_transactions(&dir.path().join("log.db"));
-    assert_eq!(committed(&dir.path().join("log.db")), all(20));
-    assert_eq!(last_watermark(&dir.path().join("log.db")), lexi(20));
+    spec.assert_whole().await;
+    assert_eq!(spec.committed().await, all(20));
+    assert_eq!(spec.last_watermark().await, lexi(20));
 
     // Transaction 2's first row is row id 3 of the mock's deterministic stream.
     let insert = rows.iter().find(|r| r.watermark == lexi(2) && r.pos == 1).unwrap();
@@ -55,67 +75,61 @@ async fn stores_every_transaction_in_order_with_its_content() {
     assert!(insert.change.contains("\"big\":1152921504606846979"), "{}", insert.change);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rolled_back_transactions_are_not_stored() {
+async fn rolled_back_transactions_are_not_stored(backend: Backend) {
     let dir = tmp();
+    let spec = LogSpec::new(backend, dir.path());
     let h =
-        start_mock(dir.path(), json!({"transactions": 10, "rows_per_tx": 2, "rollback_every": 3}), Limits::default())
-            .await;
+        start_mock(&spec, json!({"transactions": 10, "rows_per_tx": 2, "rollback_every": 3}), Limits::default()).await;
     h.wait_for_watermark(&lexi(10), WAIT).await;
     h.stop().await.unwrap();
-    let db = dir.path().join("log.db");
     let expected: Vec<String> = (1..=10).filter(|i| i % 3 != 0).map(lexi).collect();
-    assert_eq!(committed(&db), expected);
-    assert_whole_transactions(&db);
+    assert_eq!(spec.committed().await, expected);
+    spec.assert_whole().await;
 }
 
-async fn survives_fault(config: serde_json::Value, limits: Limits) {
+async fn survives_fault(backend: Backend, config: serde_json::Value, limits: Limits) {
     let dir = tmp();
-    let h = start_mock(dir.path(), config, limits).await;
+    let spec = LogSpec::new(backend, dir.path());
+    let h = start_mock(&spec, config, limits).await;
     h.wait_for_watermark(&lexi(30), WAIT).await;
     h.stop().await.unwrap();
-    let db = dir.path().join("log.db");
-    assert_eq!(committed(&db), all(30), "every transaction exactly once, in order");
-    assert_whole_transactions(&db);
+    assert_eq!(spec.committed().await, all(30), "every transaction exactly once, in order");
+    spec.assert_whole().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn interrupted_transactions_are_aborted_and_redelivered_once() {
-    survives_fault(json!({"transactions": 30, "rows_per_tx": 4, "interrupt_every": 4}), Limits::default()).await;
+async fn interrupted_transactions_are_aborted_and_redelivered_once(backend: Backend) {
+    survives_fault(backend, json!({"transactions": 30, "rows_per_tx": 4, "interrupt_every": 4}), Limits::default())
+        .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retries_after_a_source_error() {
-    survives_fault(json!({"transactions": 30, "rows_per_tx": 4, "fail_after": 25}), Limits::default()).await;
+async fn retries_after_a_source_error(backend: Backend) {
+    survives_fault(backend, json!({"transactions": 30, "rows_per_tx": 4, "fail_after": 25}), Limits::default()).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn recovers_from_a_trapping_plugin() {
-    survives_fault(json!({"transactions": 30, "rows_per_tx": 4, "trap_after": 40}), Limits::default()).await;
+async fn recovers_from_a_trapping_plugin(backend: Backend) {
+    survives_fault(backend, json!({"transactions": 30, "rows_per_tx": 4, "trap_after": 40}), Limits::default()).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn recovers_from_a_hanging_plugin() {
+async fn recovers_from_a_hanging_plugin(backend: Backend) {
     let limits = Limits { call_deadline: Duration::from_millis(300), ..Limits::default() };
-    survives_fault(json!({"transactions": 30, "rows_per_tx": 4, "hang_after": 20}), limits).await;
+    survives_fault(backend, json!({"transactions": 30, "rows_per_tx": 4, "hang_after": 20}), limits).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn recovers_from_a_plugin_that_exhausts_memory() {
+async fn recovers_from_a_plugin_that_exhausts_memory(backend: Backend) {
     let limits = Limits { memory_bytes: 48 << 20, ..Limits::default() };
-    survives_fault(json!({"transactions": 30, "rows_per_tx": 4, "oom_after": 20}), limits).await;
+    survives_fault(backend, json!({"transactions": 30, "rows_per_tx": 4, "oom_after": 20}), limits).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn resumes_after_the_last_durable_watermark() {
+async fn resumes_after_the_last_durable_watermark(backend: Backend) {
     let dir = tmp();
-    let h = start_mock(dir.path(), json!({"transactions": 10}), Limits::default()).await;
+    let spec = LogSpec::new(backend, dir.path());
+    let h = start_mock(&spec, json!({"transactions": 10}), Limits::default()).await;
     h.wait_for_watermark(&lexi(10), WAIT).await;
     h.stop().await.unwrap();
-    let h = start_mock(dir.path(), json!({"transactions": 25}), Limits::default()).await;
+    let h = start_mock(&spec, json!({"transactions": 25}), Limits::default()).await;
     h.wait_for_watermark(&lexi(25), WAIT).await;
     h.stop().await.unwrap();
-    assert_eq!(committed(&dir.path().join("log.db")), all(25));
+    assert_eq!(spec.committed().await, all(25));
 }
 
 // ---- Protocol rules, driven by a scripted source -------------------------
@@ -210,29 +224,29 @@ fn status(w: &str, ack: bool) -> Result<Message, String> {
     Ok(Message::Status(Status { watermark: w.into(), ack }))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn data_before_begin_stops_the_service() {
+async fn data_before_begin_stops_the_service(backend: Backend) {
     let dir = tmp();
+    let spec = LogSpec::new(backend, dir.path());
     let src = Scripted::new(vec![("01", vec![relation(), insert(1)])]);
-    let h = start(dir.path(), Box::new(src), StreamerOptions::default());
+    let h = start(&spec, Box::new(src), StreamerOptions::default());
     let err = h.task.await.unwrap().unwrap_err().to_string();
     assert_eq!(err, "data change (insert) received before 'begin' message");
-    assert_eq!(rows(&dir.path().join("log.db")).len(), 2, "only the seed rows");
+    assert_eq!(spec.rows().await.len(), 2, "only the seed rows");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mismatched_commit_watermark_stops_the_service() {
+async fn mismatched_commit_watermark_stops_the_service(backend: Backend) {
     let dir = tmp();
+    let spec = LogSpec::new(backend, dir.path());
     let src = Scripted::new(vec![("01", vec![relation(), begin("0b"), insert(1), commit("0c")])]);
-    let h = start(dir.path(), Box::new(src), StreamerOptions::default());
+    let h = start(&spec, Box::new(src), StreamerOptions::default());
     let err = h.task.await.unwrap().unwrap_err().to_string();
     assert_eq!(err, "commit watermark 0c does not match 'begin' watermark 0b");
-    assert_eq!(rows(&dir.path().join("log.db")).len(), 2);
+    assert_eq!(spec.rows().await.len(), 2);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn acks_commits_once_durable_and_echoes_statuses_after_them() {
+async fn acks_commits_once_durable_and_echoes_statuses_after_them(backend: Backend) {
     let dir = tmp();
+    let spec = LogSpec::new(backend, dir.path());
     let src = Scripted::new(vec![(
         "01",
         vec![
@@ -246,7 +260,7 @@ async fn acks_commits_once_durable_and_echoes_statuses_after_them() {
             status("0d", true),
         ],
     )]);
-    let h = start(dir.path(), Box::new(src.clone()), StreamerOptions::default());
+    let h = start(&spec, Box::new(src.clone()), StreamerOptions::default());
     let acks = src.clone();
     wait_until("acks", WAIT, || {
         let n = acks.acks().len();
@@ -255,8 +269,7 @@ async fn acks_commits_once_durable_and_echoes_statuses_after_them() {
     .await;
     h.stop().await.unwrap();
     assert_eq!(src.acks(), ["09", "0d"]);
-    let db = dir.path().join("log.db");
-    let rows = rows(&db);
+    let rows = spec.rows().await;
     let tags: Vec<(&str, i64, &str)> = rows.iter().map(|r| (r.watermark.as_str(), r.pos, r.tag.as_str())).collect();
     assert_eq!(
         tags,
@@ -270,12 +283,12 @@ async fn acks_commits_once_durable_and_echoes_statuses_after_them() {
         ]
     );
     assert_eq!(rows[5].change, r#"{"tag":"commit","extra":"fields"}"#);
-    assert_eq!(last_watermark(&db), "09");
+    assert_eq!(spec.last_watermark().await, "09");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_failing_mid_transaction_is_reopened_at_the_durable_watermark() {
+async fn a_stream_failing_mid_transaction_is_reopened_at_the_durable_watermark(backend: Backend) {
     let dir = tmp();
+    let spec = LogSpec::new(backend, dir.path());
     let src = Scripted::new(vec![
         (
             "01",
@@ -291,83 +304,74 @@ async fn a_stream_failing_mid_transaction_is_reopened_at_the_durable_watermark()
         ),
         ("01", vec![relation(), begin("09"), insert(2), commit("09")]),
     ]);
-    let h = start(dir.path(), Box::new(src.clone()), StreamerOptions::default());
+    let h = start(&spec, Box::new(src.clone()), StreamerOptions::default());
     h.wait_for_watermark("09", WAIT).await;
     h.stop().await.unwrap();
     assert_eq!(src.opens()[..2], [None, Some("05".to_string())], "a new log opens from the start");
-    let db = dir.path().join("log.db");
-    assert_eq!(committed(&db), ["05", "09"]);
-    assert_whole_transactions(&db);
+    assert_eq!(spec.committed().await, ["05", "09"]);
+    spec.assert_whole().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replayed_transactions_are_skipped_not_duplicated() {
+async fn replayed_transactions_are_skipped_not_duplicated(backend: Backend) {
     let dir = tmp();
+    let spec = LogSpec::new(backend, dir.path());
     let src = Scripted::new(vec![
         ("01", vec![relation(), begin("05"), insert(1), commit("05"), Err("drop".into())]),
         // A sloppy upstream replays 05 after resuming from it.
         ("01", vec![relation(), begin("05"), insert(1), commit("05"), begin("07"), insert(2), commit("07")]),
     ]);
-    let h = start(dir.path(), Box::new(src), StreamerOptions::default());
+    let h = start(&spec, Box::new(src), StreamerOptions::default());
     h.wait_for_watermark("07", WAIT).await;
     h.stop().await.unwrap();
-    assert_eq!(committed(&dir.path().join("log.db")), ["05", "07"]);
+    assert_eq!(spec.committed().await, ["05", "07"]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reset_required_is_recorded_and_auto_reset_starts_a_new_lineage() {
+async fn reset_required_is_recorded_and_auto_reset_starts_a_new_lineage(backend: Backend) {
     let dir = tmp();
+    let spec = LogSpec::new(backend, dir.path());
     let reset = Ok(Message::Control(Control::ResetRequired(Some("slot dropped".into()))));
     let src = Scripted::new(vec![
         ("01", vec![relation(), begin("05"), insert(1), commit("05"), reset]),
         ("0z", vec![relation(), begin("110"), insert(1), commit("110")]),
     ]);
     let options = StreamerOptions { auto_reset: true, ..StreamerOptions::default() };
-    let h = start(dir.path(), Box::new(src.clone()), options);
+    let h = start(&spec, Box::new(src.clone()), options);
     h.wait_for_watermark("110", WAIT).await;
     h.stop().await.unwrap();
     // The second open asked for a fresh lineage; the log was rebuilt for it.
     assert_eq!(src.opens()[..2], [None, None]);
-    let db = dir.path().join("log.db");
-    let rows = rows(&db);
+    let rows = spec.rows().await;
     assert_eq!(rows[0].watermark, "0z", "seeded at the new replica version");
-    assert_eq!(committed(&db), ["110"]);
-    let c = rusqlite::Connection::open(&db).unwrap();
-    let (rv, reset): (String, bool) = c
-        .query_row(r#"SELECT replicaVersion, resetRequired FROM "replicationConfig""#, [], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })
-        .unwrap();
+    assert_eq!(spec.committed().await, ["110"]);
+    let (rv, _, reset) = spec.replication().await;
     assert_eq!((rv.as_str(), reset), ("0z", false));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reset_required_without_auto_reset_is_recorded_and_streaming_goes_on() {
+async fn reset_required_without_auto_reset_is_recorded_and_streaming_goes_on(backend: Backend) {
     let dir = tmp();
+    let spec = LogSpec::new(backend, dir.path());
     let reset = Ok(Message::Control(Control::ResetRequired(None)));
     let src = Scripted::new(vec![(
         "01",
         vec![relation(), begin("05"), insert(1), commit("05"), reset, begin("07"), insert(2), commit("07")],
     )]);
-    let h = start(dir.path(), Box::new(src), StreamerOptions::default());
+    let h = start(&spec, Box::new(src), StreamerOptions::default());
     h.wait_for_watermark("07", WAIT).await;
     assert!(h.status.snapshot().reset_required);
     h.stop().await.unwrap();
-    let c = rusqlite::Connection::open(dir.path().join("log.db")).unwrap();
-    let reset: bool = c.query_row(r#"SELECT resetRequired FROM "replicationConfig""#, [], |r| r.get(0)).unwrap();
-    assert!(reset);
+    assert!(spec.replication().await.2);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_different_replica_version_resets_the_log() {
+async fn a_different_replica_version_resets_the_log(backend: Backend) {
     let dir = tmp();
+    let spec = LogSpec::new(backend, dir.path());
     let first = Scripted::new(vec![("01", vec![relation(), begin("05"), insert(1), commit("05")])]);
-    let h = start(dir.path(), Box::new(first), StreamerOptions::default());
+    let h = start(&spec, Box::new(first), StreamerOptions::default());
     h.wait_for_watermark("05", WAIT).await;
     h.stop().await.unwrap();
 
     let second = Scripted::new(vec![("02", vec![relation(), begin("03"), insert(9), commit("03")])]);
-    let h = start(dir.path(), Box::new(second.clone()), StreamerOptions::default());
+    let h = start(&spec, Box::new(second.clone()), StreamerOptions::default());
     let status = h.status.clone();
     wait_until("the new lineage at 03", WAIT, || {
         let s = status.snapshot();
@@ -377,9 +381,8 @@ async fn a_different_replica_version_resets_the_log() {
     h.stop().await.unwrap();
     // First opened at the old position, then from scratch in the new lineage.
     assert_eq!(second.opens()[..2], [Some("05".to_string()), None]);
-    let db = dir.path().join("log.db");
-    assert_eq!(rows(&db)[0].watermark, "02");
-    assert_eq!(committed(&db), ["03"]);
+    assert_eq!(spec.rows().await[0].watermark, "02");
+    assert_eq!(spec.committed().await, ["03"]);
 }
 
 // ---- Plugin loading ------------------------------------------------------
@@ -516,7 +519,8 @@ fn spawn_host(db: &Path, addr: &str, config: &str) -> std::process::Child {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_host_resumes_at_the_right_watermark() {
     let dir = tmp();
-    let db = dir.path().join("log.db");
+    let spec = LogSpec::new(Backend::Sqlite, dir.path());
+    let db = spec.sqlite.clone();
     let config = r#"{"transactions": 400, "rows_per_tx": 5, "rate": 200}"#;
     let addr = free_port();
     let mut host = spawn_host(&db, &addr, config);
@@ -528,7 +532,7 @@ async fn a_killed_host_resumes_at_the_right_watermark() {
     .await;
     host.kill().unwrap(); // SIGKILL: no chance to drain
     host.wait().unwrap();
-    let before = committed(&db);
+    let before = spec.committed().await;
     assert!(before.len() >= 50 && before.len() < 400, "killed mid-stream ({} stored)", before.len());
 
     let addr = free_port();
@@ -546,6 +550,6 @@ async fn a_killed_host_resumes_at_the_right_watermark() {
     assert_eq!(http_get(&addr, "/keepalive").as_deref(), Some("OK"));
     host.kill().unwrap();
     host.wait().unwrap();
-    assert_eq!(committed(&db), all(400), "every transaction exactly once across the kill");
-    assert_whole_transactions(&db);
+    assert_eq!(spec.committed().await, all(400), "every transaction exactly once across the kill");
+    spec.assert_whole().await;
 }

@@ -1,6 +1,7 @@
 //! Subscribers over real WebSockets: catch-up and live hand-off, acks,
 //! purging, errors and bad requests (Zero's §8.1, §8.4-§8.6 cases).
 
+#[macro_use]
 mod common;
 
 use std::collections::VecDeque;
@@ -16,12 +17,26 @@ use sluice::server::AppState;
 use sluice::source::model::{Begin, Commit, Delete, Insert, KeyType, Message, Relation, Value};
 use sluice::source::{ChangeSource, ChangeStream, SourceError};
 use sluice::status::Status;
-use sluice::storage::sqlite::{Durability, SqliteChangeLog, SqliteReader};
 use sluice::streamer::{Streamer, StreamerOptions};
 use tokio::sync::watch;
 use tokio_tungstenite::tungstenite::Message as Ws;
 
 const WAIT: Duration = Duration::from_secs(30);
+
+on_both_backends!(
+    catches_up_from_the_log_then_continues_live,
+    live_rollbacks_reach_subscribers,
+    a_subscriber_ahead_of_the_log_gets_only_newer_transactions,
+    live_and_caught_up_frames_are_byte_identical_with_big_integers_intact,
+    status_first_or_watermark_too_old_after_a_purge,
+    purge_floor_is_the_slowest_ack_and_keeps_the_latest_transaction,
+    wrong_replica_version_is_an_error,
+    a_dying_source_rolls_back_the_open_transaction_exactly_once,
+    subscribers_joining_mid_transaction_get_each_transaction_once,
+    a_subscriber_that_stops_reading_does_not_hold_the_others,
+    bad_requests_close_with_zeros_reasons,
+    an_out_of_order_ack_closes_the_stream
+);
 
 /// A source fed by the test: messages are delivered in the order pushed;
 /// `fail` ends the current stream, later messages go to the next open.
@@ -108,7 +123,7 @@ fn commit(w: &str) -> Message {
 
 struct Server {
     addr: String,
-    db: std::path::PathBuf,
+    spec: LogSpec,
     status: Arc<Status>,
     hub: Arc<Hub>,
     feed: Feed,
@@ -116,12 +131,12 @@ struct Server {
     _dir: tempfile::TempDir,
 }
 
-async fn server_with(limits: sluice::subscriber::Limits) -> Server {
+async fn server_with(backend: Backend, limits: sluice::subscriber::Limits) -> Server {
     let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("log.db");
-    let log = SqliteChangeLog::open(&db, Durability::Full).unwrap();
+    let spec = LogSpec::new(backend, dir.path());
+    let (log, reader) = spec.open();
     let status = Arc::new(Status::default());
-    let hub = Hub::new(Arc::new(SqliteReader::new(&db)), status.clone());
+    let hub = Hub::new(reader, status.clone());
     let (stop, stop_rx) = watch::channel(false);
     let app = AppState {
         hub: hub.clone(),
@@ -133,10 +148,9 @@ async fn server_with(limits: sluice::subscriber::Limits) -> Server {
         sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx.clone()).await.unwrap();
     tokio::spawn(serve);
     let feed = Feed::default();
-    let streamer =
-        Streamer::new(Box::new(feed.clone()), Box::new(log), hub.clone(), StreamerOptions::default(), status.clone());
+    let streamer = Streamer::new(Box::new(feed.clone()), log, hub.clone(), StreamerOptions::default(), status.clone());
     tokio::spawn(streamer.run(stop_rx));
-    let s = Server { addr: addr.to_string(), db, status, hub, feed, stop, _dir: dir };
+    let s = Server { addr: addr.to_string(), spec, status, hub, feed, stop, _dir: dir };
     // The log exists once the first stream is open.
     let st = s.status.clone();
     wait_until("the stream to open", WAIT, || {
@@ -147,8 +161,8 @@ async fn server_with(limits: sluice::subscriber::Limits) -> Server {
     s
 }
 
-async fn server() -> Server {
-    server_with(sluice::subscriber::Limits::default()).await
+async fn server(backend: Backend) -> Server {
+    server_with(backend, sluice::subscriber::Limits::default()).await
 }
 
 impl Server {
@@ -177,7 +191,7 @@ struct Client {
 impl Client {
     async fn connect(addr: &str, query: &str) -> Client {
         let url = format!("ws://{addr}/replication/v6/changes?{query}");
-        let (ws, _) = tokio_tungstenite::connect_async(url).await.unwrap();
+        let (ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await.unwrap();
         Client { ws }
     }
 
@@ -244,9 +258,8 @@ fn summary(msg: &str) -> String {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn catches_up_from_the_log_then_continues_live() {
-    let s = server().await;
+async fn catches_up_from_the_log_then_continues_live(backend: Backend) {
+    let s = server(backend).await;
     s.feed.tx("09", &[1, 2]);
     s.stored("09").await;
     let mut c = Client::subscribe(&s.addr, "01").await;
@@ -257,9 +270,8 @@ async fn catches_up_from_the_log_then_continues_live() {
     assert_eq!(c.take(3).await, ["begin 0b", "delete 1", "commit 0b"]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn live_rollbacks_reach_subscribers() {
-    let s = server().await;
+async fn live_rollbacks_reach_subscribers(backend: Backend) {
+    let s = server(backend).await;
     s.feed.tx("09", &[1]);
     s.stored("09").await;
     let mut c = Client::subscribe(&s.addr, "01").await;
@@ -270,12 +282,11 @@ async fn live_rollbacks_reach_subscribers() {
     s.feed.tx("0c", &[3]);
     assert_eq!(c.take(6).await, ["begin 0a", "delete 1", "rollback", "begin 0c", "insert 3", "commit 0c"]);
     s.stored("0c").await;
-    assert_eq!(committed(&s.db), ["09", "0c"]);
+    assert_eq!(s.spec.committed().await, ["09", "0c"]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_subscriber_ahead_of_the_log_gets_only_newer_transactions() {
-    let s = server().await;
+async fn a_subscriber_ahead_of_the_log_gets_only_newer_transactions(backend: Backend) {
+    let s = server(backend).await;
     s.feed.tx("09", &[1]);
     s.stored("09").await;
     let mut c = Client::subscribe(&s.addr, "0b").await;
@@ -285,9 +296,8 @@ async fn a_subscriber_ahead_of_the_log_gets_only_newer_transactions() {
     assert_eq!(c.take(3).await, ["begin 0c", "insert 3", "commit 0c"]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn live_and_caught_up_frames_are_byte_identical_with_big_integers_intact() {
-    let s = server().await;
+async fn live_and_caught_up_frames_are_byte_identical_with_big_integers_intact(backend: Backend) {
+    let s = server(backend).await;
     let mut live = Client::subscribe(&s.addr, "01").await;
     assert_eq!(live.take(1).await, ["status"]);
     s.feed.tx("05", &[7]);
@@ -306,16 +316,15 @@ async fn live_and_caught_up_frames_are_byte_identical_with_big_integers_intact()
     assert!(from_live[1].contains("\"big\":987654321987654328"), "{}", from_live[1]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn status_first_or_watermark_too_old_after_a_purge() {
-    let s = server().await;
+async fn status_first_or_watermark_too_old_after_a_purge(backend: Backend) {
+    let s = server(backend).await;
     for w in ["04", "06", "08"] {
         s.feed.tx(w, &[1]);
     }
     s.stored("08").await;
     // Retention keeps the last three transactions: the seed rows go.
     let opts = CleanupOptions { retain_transactions: Some(3), ..CleanupOptions::default() };
-    let (_, deleted) = purge_once(&s.hub, &opts).unwrap();
+    let (_, deleted) = tokio::task::block_in_place(|| purge_once(&s.hub, &opts)).unwrap();
     assert_eq!(deleted, 2, "the two seed rows");
     for w in ["04", "08"] {
         let mut c = Client::subscribe(&s.addr, w).await;
@@ -326,9 +335,8 @@ async fn status_first_or_watermark_too_old_after_a_purge() {
     assert_eq!(old.close_reason().await.0, 1000);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn purge_floor_is_the_slowest_ack_and_keeps_the_latest_transaction() {
-    let s = server().await;
+async fn purge_floor_is_the_slowest_ack_and_keeps_the_latest_transaction(backend: Backend) {
+    let s = server(backend).await;
     for w in ["03", "04", "05", "06", "07", "08"] {
         s.feed.tx(w, &[1]);
     }
@@ -338,9 +346,9 @@ async fn purge_floor_is_the_slowest_ack_and_keeps_the_latest_transaction() {
     assert_eq!(at6.take(1).await, ["status"]);
     assert_eq!(at4.take(1).await, ["status"]);
     let opts = CleanupOptions::default();
-    let (floor, _) = purge_once(&s.hub, &opts).unwrap();
+    let (floor, _) = tokio::task::block_in_place(|| purge_once(&s.hub, &opts)).unwrap();
     assert_eq!(floor.as_deref(), Some("04"));
-    let first = rows(&s.db)[0].watermark.clone();
+    let first = s.spec.rows().await[0].watermark.clone();
     assert_eq!(first, "04");
     // The subscriber at 04 consumes through 08 (acking the last commit by
     // pulling one more message is not needed: acks go per message).
@@ -351,25 +359,23 @@ async fn purge_floor_is_the_slowest_ack_and_keeps_the_latest_transaction() {
         async move { a.as_deref() == Some("08") }
     })
     .await;
-    let (floor, _) = purge_once(&s.hub, &opts).unwrap();
+    let (floor, _) = tokio::task::block_in_place(|| purge_once(&s.hub, &opts)).unwrap();
     assert_eq!(floor.as_deref(), Some("08"));
-    assert_eq!(committed(&s.db), ["08"], "only the latest transaction survives");
+    assert_eq!(s.spec.committed().await, ["08"], "only the latest transaction survives");
     drop((at4, at6));
     let old = Client::subscribe(&s.addr, "04").await;
     let mut old = old;
     assert_eq!(old.take(1).await, ["error 2 earliest supported watermark is 08 (requested 04)"]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wrong_replica_version_is_an_error() {
-    let s = server().await;
+async fn wrong_replica_version_is_an_error(backend: Backend) {
+    let s = server(backend).await;
     let mut c = Client::connect(&s.addr, "id=x&replicaVersion=01foobar&watermark=01").await;
     assert_eq!(c.take(1).await, ["error 1 current replica version is 01 (requested 01foobar)"]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dying_source_rolls_back_the_open_transaction_exactly_once() {
-    let s = server().await;
+async fn a_dying_source_rolls_back_the_open_transaction_exactly_once(backend: Backend) {
+    let s = server(backend).await;
     let mut c = Client::subscribe(&s.addr, "01").await;
     assert_eq!(c.take(1).await, ["status"]);
     s.feed.push(begin("09"));
@@ -388,9 +394,8 @@ async fn a_dying_source_rolls_back_the_open_transaction_exactly_once() {
     assert_eq!(s.feed.opens.lock().unwrap().len(), 3);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn subscribers_joining_mid_transaction_get_each_transaction_once() {
-    let s = server().await;
+async fn subscribers_joining_mid_transaction_get_each_transaction_once(backend: Backend) {
+    let s = server(backend).await;
     s.feed.tx("03", &[1]);
     s.stored("03").await;
     // Many subscribers join while transactions stream in.
@@ -418,10 +423,9 @@ async fn subscribers_joining_mid_transaction_get_each_transaction_once() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_subscriber_that_stops_reading_does_not_hold_the_others() {
+async fn a_subscriber_that_stops_reading_does_not_hold_the_others(backend: Backend) {
     let limits = sluice::subscriber::Limits { pending_bytes: 256 << 10, ..Default::default() };
-    let s = server_with(limits).await;
+    let s = server_with(backend, limits).await;
     let mut stuck = Client::subscribe(&s.addr, "01").await;
     assert_eq!(stuck.take(1).await, ["status"]);
     let mut reader = Client::subscribe(&s.addr, "01").await;
@@ -455,9 +459,8 @@ async fn a_subscriber_that_stops_reading_does_not_hold_the_others() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_requests_close_with_zeros_reasons() {
-    let s = server().await;
+async fn bad_requests_close_with_zeros_reasons(backend: Backend) {
+    let s = server(backend).await;
     let cases = [
         ("/replication/v6/changes", "Error: invalid querystring - missing id"),
         ("/replication/v6/changes?id=foo", "Error: invalid querystring - missing replicaVersion"),
@@ -489,11 +492,10 @@ async fn reqwest_get(addr: &str, path: &str) -> String {
     buf.split_once("\r\n\r\n").unwrap().1.to_string()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_out_of_order_ack_closes_the_stream() {
-    let s = server().await;
+async fn an_out_of_order_ack_closes_the_stream(backend: Backend) {
+    let s = server(backend).await;
     let url = format!("ws://{}/replication/v6/changes?id=x&replicaVersion=01&watermark=01", s.addr);
-    let (mut ws, _) = tokio_tungstenite::connect_async(url).await.unwrap();
+    let (mut ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await.unwrap();
     let _status = ws.next().await.unwrap().unwrap();
     ws.send(Ws::Text("{\"ack\":5}".into())).await.unwrap();
     let (code, reason) = Client { ws }.close_reason().await;

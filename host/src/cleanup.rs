@@ -35,6 +35,7 @@ impl Default for CleanupOptions {
 }
 
 /// One purge pass. Returns the floor used and the rows deleted.
+/// Blocking: run it on a blocking thread.
 pub fn purge_once(hub: &Hub, options: &CleanupOptions) -> anyhow::Result<(Option<String>, u64)> {
     let reader = hub.reader();
     let bounds = reader.bounds()?;
@@ -64,14 +65,16 @@ pub async fn run(hub: Arc<Hub>, status: Arc<Status>, options: CleanupOptions, mu
             _ = monitor.tick() => hub.check_laggards(options.lag_grace),
             _ = purge.tick() => {
                 let (h, o) = (hub.clone(), options.clone());
-                match tokio::task::spawn_blocking(move || purge_once(&h, &o)).await {
-                    Ok(Ok((floor, deleted))) => {
+                let pass = tokio::task::spawn_blocking(move || {
+                    let purged = purge_once(&h, &o)?;
+                    Ok::<_, anyhow::Error>((purged, h.reader().bounds()?))
+                });
+                match pass.await {
+                    Ok(Ok(((floor, deleted), bounds))) => {
                         if deleted > 0 {
                             tracing::info!(floor = floor.as_deref().unwrap_or("-"), deleted, "purged the change log");
                         }
-                        if let Ok(b) = hub.reader().bounds() {
-                            status.update(|s| s.min_watermark = b.min_watermark);
-                        }
+                        status.update(|s| s.min_watermark = bounds.min_watermark);
                     }
                     Ok(Err(e)) => tracing::warn!("purging the change log failed (retrying next pass): {e:#}"),
                     Err(e) => tracing::warn!("purge task failed: {e}"),

@@ -98,7 +98,8 @@ impl Hub {
     }
 
     fn start_direct_catchup(&self, sub: Arc<Subscriber>, rv: String) {
-        match self.reader.snapshot() {
+        // Readers block (a Postgres reader drives its own connection).
+        match tokio::task::block_in_place(|| self.reader.snapshot()) {
             Ok(snapshot) => catchup::start(snapshot, sub, rv),
             Err(e) => {
                 tracing::warn!(subscriber = %sub.id, "cannot read the change log for catch-up: {e:#}");

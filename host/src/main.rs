@@ -14,6 +14,7 @@ use sluice::hub::Hub;
 use sluice::plugin::{Limits, NetGrant, Registry};
 use sluice::server::AppState;
 use sluice::status::Status;
+use sluice::storage::postgres::{PgSettings, PostgresChangeLog, PostgresReader};
 use sluice::storage::sqlite::{Durability, SqliteChangeLog, SqliteReader};
 use sluice::storer::StorerOptions;
 use sluice::streamer::{Streamer, StreamerOptions};
@@ -66,7 +67,8 @@ struct RunArgs {
     /// The source's configuration: JSON text, or @FILE to read it from a file.
     #[arg(long, default_value = "{}")]
     source_config: String,
-    /// Where the change log lives: `sqlite:PATH` (default) or a path.
+    /// Where the change log lives: `sqlite:PATH` (default), a path, or a
+    /// `postgres://` URL (Zero's change DB schema).
     #[arg(long, default_value = "sqlite:sluice-data/changelog.db")]
     change_db: String,
     /// Address for the HTTP/WebSocket endpoint.
@@ -114,6 +116,14 @@ struct RunArgs {
     /// Close a subscriber that lags continuously for this long (0: never).
     #[arg(long, default_value_t = 30)]
     lag_grace_secs: u64,
+    /// Zero app ID: the Postgres change DB schema is "<app-id>_<shard-num>/cdc".
+    #[arg(long, default_value = "zero")]
+    app_id: String,
+    #[arg(long, default_value_t = 0)]
+    shard_num: u32,
+    /// Postgres change DB statement timeout, in milliseconds.
+    #[arg(long, default_value_t = 20000)]
+    statement_timeout_ms: u64,
     /// Backlog a catching-up subscriber may accumulate, in MiB.
     #[arg(long, default_value_t = 16)]
     backlog_mb: usize,
@@ -153,15 +163,19 @@ fn main() -> ExitCode {
     }
 }
 
-fn sqlite_path(change_db: &str) -> anyhow::Result<PathBuf> {
+/// Where the change log lives.
+enum ChangeDb {
+    Sqlite(PathBuf),
+    Postgres(String),
+}
+
+fn parse_change_db(change_db: &str) -> anyhow::Result<ChangeDb> {
     if change_db.starts_with("postgres://") || change_db.starts_with("postgresql://") {
-        anyhow::bail!(
-            "--change-db {change_db}: a Postgres change DB is not supported by this build yet; use sqlite:PATH"
-        );
+        return Ok(ChangeDb::Postgres(change_db.to_string()));
     }
     let path = change_db.strip_prefix("sqlite:").unwrap_or(change_db);
     anyhow::ensure!(!path.is_empty(), "--change-db sqlite: needs a file path");
-    Ok(PathBuf::from(path))
+    Ok(ChangeDb::Sqlite(PathBuf::from(path)))
 }
 
 fn read_source_config(arg: &str) -> anyhow::Result<String> {
@@ -185,7 +199,7 @@ fn resolve_net(allow: &[String]) -> anyhow::Result<NetGrant> {
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let config = read_source_config(&args.source_config)?;
-    let log_path = sqlite_path(&args.change_db)?;
+    let change_db = parse_change_db(&args.change_db)?;
     let durability = match args.sync.as_str() {
         "full" => Durability::Full,
         "normal" => Durability::Normal,
@@ -196,14 +210,43 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         call_deadline: Duration::from_millis(args.plugin_deadline_ms),
         memory_bytes: args.plugin_memory_mb << 20,
     };
-    let data_dir = log_path.parent().map(|p| p.to_path_buf()).unwrap_or_default();
+    let data_dir = match &change_db {
+        ChangeDb::Sqlite(path) => path.parent().map(|p| p.to_path_buf()).unwrap_or_default(),
+        ChangeDb::Postgres(_) => PathBuf::from("sluice-data"),
+    };
     let cache_dir = args.cache_dir.clone().unwrap_or_else(|| data_dir.join(".cache"));
     let registry = Registry::load(&args.plugins, Some(cache_dir)).await?;
     let source = registry.source(&args.source, config, limits, net).map_err(anyhow::Error::msg)?;
-    let log = SqliteChangeLog::open(&log_path, durability)?;
+    anyhow::ensure!(
+        !args.app_id.is_empty()
+            && args.app_id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
+        "--app-id {:?}: only lower-case letters, digits and _ are allowed",
+        args.app_id
+    );
+    let (log, reader, where_): (Box<dyn sluice::storage::ChangeLog>, Arc<dyn sluice::storage::LogReader>, String) =
+        match &change_db {
+            ChangeDb::Sqlite(path) => (
+                Box::new(SqliteChangeLog::open(path, durability)?),
+                Arc::new(SqliteReader::new(path)),
+                path.display().to_string(),
+            ),
+            ChangeDb::Postgres(url) => {
+                let settings = PgSettings {
+                    url: url.clone(),
+                    app_id: args.app_id.clone(),
+                    shard_num: args.shard_num,
+                    task_id: args.task_id.clone(),
+                    statement_timeout: Duration::from_millis(args.statement_timeout_ms),
+                };
+                let rt = tokio::runtime::Handle::current();
+                let log = tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?;
+                let schema = settings.schema();
+                (Box::new(log), Arc::new(PostgresReader::new(settings, rt)), format!("Postgres schema {schema}"))
+            }
+        };
 
     let status = Arc::new(Status::default());
-    let hub = Hub::new(Arc::new(SqliteReader::new(&log_path)), status.clone());
+    let hub = Hub::new(reader, status.clone());
     let (stop_tx, stop_rx) = watch::channel(false);
     let app = AppState {
         hub: hub.clone(),
@@ -231,7 +274,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     tracing::info!(
         "sluice listening on ws://{addr}/replication/v6/changes (status: http://{addr}/status); change log {}",
-        log_path.display()
+        where_
     );
     let server = tokio::spawn(serve);
     tokio::spawn(async move {
@@ -239,7 +282,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         tracing::info!("shutting down");
         let _ = stop_tx.send(true);
     });
-    let streamer = Streamer::new(Box::new(source), Box::new(log), hub, options, status);
+    let streamer = Streamer::new(Box::new(source), log, hub, options, status);
     let result = streamer.run(stop_rx).await;
     server.abort();
     result

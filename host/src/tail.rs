@@ -78,7 +78,9 @@ pub async fn run(opts: TailOptions) -> anyhow::Result<()> {
         "ws://{addr}/replication/v6/changes?id=tail-{}&taskID=tail&mode=serving&replicaVersion={rv}&watermark={wm}&initial=false",
         std::process::id()
     );
-    let (mut ws, _) = tokio_tungstenite::connect_async(&url).await.with_context(|| format!("connecting to {url}"))?;
+    let (mut ws, _) = tokio_tungstenite::connect_async_with_config(&url, None, true)
+        .await
+        .with_context(|| format!("connecting to {url}"))?;
     #[derive(serde::Deserialize)]
     struct Frame<'a> {
         id: u64,

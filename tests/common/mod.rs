@@ -9,9 +9,31 @@ use std::time::{Duration, Instant};
 use rusqlite::Connection;
 use sluice::plugin::{Limits, NetGrant, Registry};
 use sluice::status::Status;
-use sluice::storage::sqlite::{Durability, SqliteChangeLog};
+use sluice::storage::postgres::{PgSettings, PostgresChangeLog, PostgresReader};
+use sluice::storage::sqlite::{Durability, SqliteChangeLog, SqliteReader};
+use sluice::storage::{ChangeLog, LogReader};
 use sluice::streamer::{Streamer, StreamerOptions};
 use tokio::sync::watch;
+
+/// Generates a `sqlite` and a `postgres` test for each storage test
+/// function `name(backend: Backend)`.
+#[allow(unused_macros)]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn sqlite() {
+                    super::$name(super::Backend::Sqlite).await
+                }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn postgres() {
+                    super::$name(super::Backend::Postgres).await
+                }
+            }
+        )*
+    };
+}
 
 /// `target/plugins`, where `make plugins` puts the bundled plugins.
 pub fn plugin_dir() -> PathBuf {
@@ -51,69 +73,214 @@ pub struct Row {
     pub precommit: Option<String>,
 }
 
-pub fn rows(db: &Path) -> Vec<Row> {
-    let c = Connection::open(db).unwrap();
-    let mut stmt =
-        c.prepare(r#"SELECT watermark, pos, tag, change, precommit FROM "changeLog" ORDER BY watermark, pos"#).unwrap();
-    stmt.query_map([], |r| {
-        Ok(Row { watermark: r.get(0)?, pos: r.get(1)?, tag: r.get(2)?, change: r.get(3)?, precommit: r.get(4)? })
+/// Which change log a test runs against. The storage tests run on both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// The Postgres server for tests: `SLUICE_TEST_PG_URL`, which `make test`
+/// sets after starting a private server (tests/pg/with-postgres.sh).
+pub fn pg_url() -> String {
+    std::env::var("SLUICE_TEST_PG_URL").unwrap_or_else(|_| {
+        panic!(
+            "this test needs PostgreSQL: run it through `make test` (which starts a private server), \
+             or `tests/pg/with-postgres.sh cargo test`, or set SLUICE_TEST_PG_URL to a superuser URL"
+        )
     })
-    .unwrap()
-    .collect::<Result<_, _>>()
-    .unwrap()
 }
 
-pub fn last_watermark(db: &Path) -> String {
-    let c = Connection::open(db).unwrap();
-    c.query_row(r#"SELECT lastWatermark FROM "replicationState""#, [], |r| r.get(0)).unwrap()
+/// One change log for a test: a SQLite file, or a schema of its own in the
+/// test Postgres server.
+#[derive(Debug, Clone)]
+pub struct LogSpec {
+    pub backend: Backend,
+    pub sqlite: PathBuf,
+    pub pg: Option<PgSettings>,
 }
 
-/// Distinct commit watermarks in the log, in order (excluding the seed).
-pub fn committed(db: &Path) -> Vec<String> {
-    rows(db).into_iter().filter(|r| r.tag == "commit" && r.pos > 1).map(|r| r.watermark).collect()
-}
+impl LogSpec {
+    pub fn new(backend: Backend, dir: &Path) -> LogSpec {
+        Self::with_task(backend, dir, "sluice")
+    }
 
-/// Checks that every transaction in the log is whole: begin at pos 0,
-/// consecutive positions, a commit last.
-pub fn assert_whole_transactions(db: &Path) {
-    let all = rows(db);
-    let mut i = 0;
-    while i < all.len() {
-        let w = &all[i].watermark;
-        let tx: Vec<&Row> = all[i..].iter().take_while(|r| &r.watermark == w).collect();
-        assert_eq!(tx[0].tag, "begin", "transaction {w} starts with begin");
-        assert_eq!(tx.last().unwrap().tag, "commit", "transaction {w} ends with commit");
-        for (p, r) in tx.iter().enumerate() {
-            assert_eq!(r.pos, p as i64, "transaction {w} positions are consecutive");
+    pub fn with_task(backend: Backend, dir: &Path, task_id: &str) -> LogSpec {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let pg = (backend == Backend::Postgres).then(|| PgSettings {
+            url: pg_url(),
+            app_id: format!("t{}x{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
+            shard_num: 0,
+            task_id: task_id.to_string(),
+            statement_timeout: Duration::from_secs(20),
+        });
+        LogSpec { backend, sqlite: dir.join("log.db"), pg }
+    }
+
+    /// The same log, written by another host.
+    pub fn as_task(&self, task_id: &str) -> LogSpec {
+        let mut other = self.clone();
+        if let Some(pg) = other.pg.as_mut() {
+            pg.task_id = task_id.to_string();
         }
-        assert_eq!(tx.last().unwrap().precommit.as_deref(), Some(w.as_str()));
-        i += tx.len();
+        other
+    }
+
+    pub fn open(&self) -> (Box<dyn ChangeLog>, Arc<dyn LogReader>) {
+        match &self.pg {
+            None => (
+                Box::new(SqliteChangeLog::open(&self.sqlite, Durability::Full).unwrap()),
+                Arc::new(SqliteReader::new(&self.sqlite)),
+            ),
+            Some(pg) => {
+                let rt = tokio::runtime::Handle::current();
+                let log = tokio::task::block_in_place(|| PostgresChangeLog::open(pg.clone(), rt.clone())).unwrap();
+                (Box::new(log), Arc::new(PostgresReader::new(pg.clone(), rt)))
+            }
+        }
+    }
+
+    pub async fn pg_client(&self) -> tokio_postgres::Client {
+        let (client, conn) =
+            tokio_postgres::connect(&self.pg.as_ref().expect("a Postgres log").url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        client
+    }
+
+    pub fn schema(&self) -> String {
+        self.pg.as_ref().expect("a Postgres log").schema()
+    }
+
+    pub async fn rows(&self) -> Vec<Row> {
+        match self.backend {
+            Backend::Sqlite => {
+                let c = Connection::open(&self.sqlite).unwrap();
+                let mut stmt = c
+                    .prepare(
+                        r#"SELECT watermark, pos, tag, change, precommit FROM "changeLog" ORDER BY watermark, pos"#,
+                    )
+                    .unwrap();
+                stmt.query_map([], |r| {
+                    Ok(Row {
+                        watermark: r.get(0)?,
+                        pos: r.get(1)?,
+                        tag: r.get(2)?,
+                        change: r.get(3)?,
+                        precommit: r.get(4)?,
+                    })
+                })
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap()
+            }
+            Backend::Postgres => {
+                let c = self.pg_client().await;
+                let sql = format!(
+                    r#"SELECT watermark, pos, change->>'tag', change::text, precommit FROM {}."changeLog" ORDER BY watermark, pos"#,
+                    self.schema()
+                );
+                c.query(&sql, &[])
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|r| Row {
+                        watermark: r.get(0),
+                        pos: r.get(1),
+                        tag: r.get(2),
+                        change: r.get(3),
+                        precommit: r.get(4),
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    pub async fn last_watermark(&self) -> String {
+        self.replication().await.1
+    }
+
+    /// (replicaVersion, lastWatermark, resetRequired)
+    pub async fn replication(&self) -> (String, String, bool) {
+        match self.backend {
+            Backend::Sqlite => {
+                let c = Connection::open(&self.sqlite).unwrap();
+                let (rv, reset): (String, bool) = c
+                    .query_row(r#"SELECT replicaVersion, resetRequired FROM "replicationConfig""#, [], |r| {
+                        Ok((r.get(0)?, r.get(1)?))
+                    })
+                    .unwrap();
+                let last: String =
+                    c.query_row(r#"SELECT lastWatermark FROM "replicationState""#, [], |r| r.get(0)).unwrap();
+                (rv, last, reset)
+            }
+            Backend::Postgres => {
+                let c = self.pg_client().await;
+                let s = self.schema();
+                let cfg = c
+                    .query_one(
+                        &format!(r#"SELECT "replicaVersion", "resetRequired" FROM {s}."replicationConfig""#),
+                        &[],
+                    )
+                    .await
+                    .unwrap();
+                let st =
+                    c.query_one(&format!(r#"SELECT "lastWatermark" FROM {s}."replicationState""#), &[]).await.unwrap();
+                (cfg.get(0), st.get(0), cfg.get::<_, Option<bool>>(1).unwrap_or(false))
+            }
+        }
+    }
+
+    /// Distinct commit watermarks in the log, in order (excluding the seed).
+    pub async fn committed(&self) -> Vec<String> {
+        self.rows().await.into_iter().filter(|r| r.tag == "commit" && r.pos > 1).map(|r| r.watermark).collect()
+    }
+
+    /// Every transaction in the log is whole: begin at pos 0, consecutive
+    /// positions, a commit last (with precommit set on SQLite, as Zero does).
+    pub async fn assert_whole(&self) {
+        let all = self.rows().await;
+        let mut i = 0;
+        while i < all.len() {
+            let w = &all[i].watermark;
+            let tx: Vec<&Row> = all[i..].iter().take_while(|r| &r.watermark == w).collect();
+            assert_eq!(tx[0].tag, "begin", "transaction {w} starts with begin");
+            assert_eq!(tx.last().unwrap().tag, "commit", "transaction {w} ends with commit");
+            for (p, r) in tx.iter().enumerate() {
+                assert_eq!(r.pos, p as i64, "transaction {w} positions are consecutive");
+            }
+            if tx.len() > 2 || self.backend == Backend::Sqlite {
+                assert_eq!(tx.last().unwrap().precommit.as_deref(), Some(w.as_str()));
+            }
+            i += tx.len();
+        }
     }
 }
 
-/// A streamer on the mock-source plugin and a SQLite log in `dir`.
+/// A streamer on a source, over a change log.
 pub struct Harness {
-    pub db: PathBuf,
     pub status: Arc<Status>,
+    pub hub: Arc<sluice::hub::Hub>,
     stop: watch::Sender<bool>,
     pub task: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
-pub async fn start_mock(dir: &Path, config: serde_json::Value, limits: Limits) -> Harness {
+pub async fn start_mock(spec: &LogSpec, config: serde_json::Value, limits: Limits) -> Harness {
+    let dir = spec.sqlite.parent().unwrap().to_path_buf();
     let registry = Registry::load(&plugin_dir(), Some(dir.join("cache"))).await.unwrap();
     let source = registry.source("mock-source", config.to_string(), limits, NetGrant::default()).unwrap();
-    start(dir, Box::new(source), StreamerOptions::default())
+    start(spec, Box::new(source), StreamerOptions::default())
 }
 
-pub fn start(dir: &Path, source: Box<dyn sluice::source::ChangeSource>, options: StreamerOptions) -> Harness {
-    let db = dir.join("log.db");
-    let log = SqliteChangeLog::open(&db, Durability::Full).unwrap();
+pub fn start(spec: &LogSpec, source: Box<dyn sluice::source::ChangeSource>, options: StreamerOptions) -> Harness {
+    let (log, reader) = spec.open();
     let status = Arc::new(Status::default());
     let (stop, stop_rx) = watch::channel(false);
-    let hub = sluice::hub::Hub::new(Arc::new(sluice::storage::sqlite::SqliteReader::new(&db)), status.clone());
-    let streamer = Streamer::new(source, Box::new(log), hub, options, status.clone());
+    let hub = sluice::hub::Hub::new(reader, status.clone());
+    let streamer = Streamer::new(source, log, hub.clone(), options, status.clone());
     let task = tokio::spawn(streamer.run(stop_rx));
-    Harness { db, status, stop, task }
+    Harness { status, hub, stop, task }
 }
 
 impl Harness {

@@ -80,7 +80,7 @@ async fn bench_subscriber(addr: String, id: usize, last: String) -> anyhow::Resu
     use futures::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message as Ws;
     let url = format!("ws://{addr}/replication/v6/changes?id=bench-{id}&replicaVersion=00&watermark=00");
-    let (mut ws, _) = tokio_tungstenite::connect_async(url).await?;
+    let (mut ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await?;
     let (mut changes, mut latencies) = (0u64, Vec::new());
     while let Some(frame) = ws.next().await {
         let Ws::Text(text) = frame? else { continue };

@@ -161,37 +161,46 @@ async fn pump(socket: WebSocket, sub: &Arc<Subscriber>, mut conn: Connection, pi
     loop {
         tokio::select! {
             frame = conn.frames.recv() => {
-                let (json, bytes, commit, last) = match frame {
-                    Some(Frame::Message { json, commit }) => { let n = json.len(); (json, n, commit, false) }
-                    Some(Frame::Error(json)) => (Arc::from(json.as_str()), 0, None, true),
-                    Some(Frame::Close) | None => {
-                        let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(normal_close())).await;
-                        return "closed by the server".into();
+                // Take what else is already queued and write it with one flush.
+                let mut frames = vec![frame];
+                while frames.len() < 256 {
+                    match conn.frames.try_recv() {
+                        Ok(f) => frames.push(Some(f)),
+                        Err(_) => break,
                     }
-                };
-                next_id += 1;
-                let mut text = String::with_capacity(json.len() + 24);
-                text.push_str("{\"id\":");
-                text.push_str(itoa::Buffer::new().format(next_id));
-                text.push_str(",\"msg\":");
-                text.push_str(&json);
-                text.push('}');
-                // A peer that stops reading fills the socket and blocks the
-                // send; closing the subscriber must still end it.
-                tokio::select! {
-                    sent = tx.send(Message::Text(Utf8Bytes::from(text))) => {
-                        if let Err(e) = sent {
-                            return format!("send failed: {e}");
-                        }
-                    }
-                    _ = async {
-                        sub.closed().await;
-                        // Give what was queued before the close a moment to go out.
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    } => return "closed while the peer was not reading".into(),
-
                 }
-                in_flight.push_back(InFlight { id: next_id, bytes, commit, last });
+                let mut closing = false;
+                for frame in frames {
+                    let (json, bytes, commit, last) = match frame {
+                        Some(Frame::Message { json, commit }) => {
+                            let n = json.len();
+                            (json, n, commit, false)
+                        }
+                        Some(Frame::Error(json)) => (Arc::from(json.as_str()), 0, None, true),
+                        Some(Frame::Close) | None => {
+                            closing = true;
+                            break;
+                        }
+                    };
+                    next_id += 1;
+                    let mut text = String::with_capacity(json.len() + 24);
+                    text.push_str("{\"id\":");
+                    text.push_str(itoa::Buffer::new().format(next_id));
+                    text.push_str(",\"msg\":");
+                    text.push_str(&json);
+                    text.push('}');
+                    if let Err(e) = until_closed(sub, tx.feed(Message::Text(Utf8Bytes::from(text)))).await {
+                        return e;
+                    }
+                    in_flight.push_back(InFlight { id: next_id, bytes, commit, last });
+                }
+                if let Err(e) = until_closed(sub, tx.flush()).await {
+                    return e;
+                }
+                if closing {
+                    let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(normal_close())).await;
+                    return "closed by the server".into();
+                }
             }
             msg = rx.next() => {
                 alive = true;
@@ -244,6 +253,23 @@ async fn close_with_error_split(tx: &mut futures::stream::SplitSink<WebSocket, M
     tracing::warn!("closing subscriber connection: {message}");
     let reason = elide(&format!("Error: {message}"), 123);
     let _ = tx.send(Message::Close(Some(CloseFrame { code: 1011, reason: reason.into() }))).await;
+}
+
+/// Runs a socket write, giving up once the subscriber has been closed for a
+/// second: a peer that stops reading fills the socket and blocks writes, and
+/// closing it must still end the connection.
+async fn until_closed<E: std::fmt::Display>(
+    sub: &Subscriber,
+    write: impl std::future::Future<Output = Result<(), E>>,
+) -> Result<(), String> {
+    tokio::select! {
+        r = write => r.map_err(|e| format!("send failed: {e}")),
+        _ = async {
+            sub.closed().await;
+            // Give what was queued before the close a moment to go out.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        } => Err("closed while the peer was not reading".into()),
+    }
 }
 
 fn normal_close() -> Message {

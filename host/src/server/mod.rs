@@ -52,6 +52,13 @@ pub async fn bind(
 ) -> anyhow::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
     let local = listener.local_addr()?;
+    // Small frames and acks go back and forth: without TCP_NODELAY each
+    // flow-control round trip waits for a delayed ACK (~40 ms).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("cannot set TCP_NODELAY: {e}");
+        }
+    });
     let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
         let _ = shutdown.wait_for(|stop| *stop).await;
     });

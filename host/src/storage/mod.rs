@@ -4,7 +4,26 @@
 //! embedded default; a Postgres change DB plugs in beside it. Calls are
 //! blocking: the storer runs them on a thread of its own.
 
+pub mod postgres;
 pub mod sqlite;
+
+/// Storage failures that mean "stop", not "retry".
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    /// Another host owns the change log now.
+    #[error("{0}")]
+    OwnershipLost(String),
+    /// The change log's schema or tables were dropped.
+    #[error("the change log's tables are gone ({0})")]
+    Gone(String),
+}
+
+impl StorageError {
+    /// Finds a `StorageError` anywhere in an error's chain.
+    pub fn find(e: &anyhow::Error) -> Option<&StorageError> {
+        e.chain().find_map(|c| c.downcast_ref::<StorageError>())
+    }
+}
 
 /// One row of the `changeLog` table.
 #[derive(Debug, Clone, Copy)]

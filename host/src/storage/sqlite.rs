@@ -231,14 +231,19 @@ impl LogSnapshot for SqliteSnapshot {
     }
 
     fn read(&mut self, from: &str, after: Option<(&str, i64)>, limit: usize) -> anyhow::Result<Vec<StoredRow>> {
-        let (aw, ap) = after.unwrap_or(("", -1));
+        // The lower bound is the cursor's watermark, so each batch is an index
+        // range scan rather than a scan from `from`.
+        let (low, ap) = match after {
+            Some((w, p)) => (w.max(from), p),
+            None => (from, -1),
+        };
         let mut stmt = self.conn.prepare_cached(
             r#"SELECT watermark, pos, tag, change FROM "changeLog"
-               WHERE watermark >= ?1 AND watermark <= ?2 AND (watermark, pos) > (?3, ?4)
-               ORDER BY watermark, pos LIMIT ?5"#,
+               WHERE watermark >= ?1 AND watermark <= ?2 AND (watermark > ?1 OR pos > ?3)
+               ORDER BY watermark, pos LIMIT ?4"#,
         )?;
         let rows = stmt
-            .query_map(params![from, self.last_watermark, aw, ap, limit as i64], |r| {
+            .query_map(params![low, self.last_watermark, ap, limit as i64], |r| {
                 Ok(StoredRow { watermark: r.get(0)?, pos: r.get(1)?, tag: r.get(2)?, change: r.get(3)? })
             })?
             .collect::<Result<Vec<_>, _>>()?;

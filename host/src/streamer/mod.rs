@@ -69,6 +69,17 @@ enum PassEnd {
     Retry(String),
     /// Stop for good.
     Fatal(String),
+    /// Stop cleanly: another host owns the log, or its tables are gone.
+    Stop(String),
+}
+
+/// A change-log failure: stop cleanly for ownership loss or dropped
+/// tables, retry for anything else (a lost connection, a full disk).
+fn storage_end(e: &anyhow::Error) -> PassEnd {
+    match crate::storage::StorageError::find(e) {
+        Some(se) => PassEnd::Stop(se.to_string()),
+        None => PassEnd::Retry(format!("change log: {e:#}")),
+    }
 }
 
 impl From<SourceError> for PassEnd {
@@ -130,6 +141,11 @@ impl Streamer {
                     return Ok(());
                 }
                 PassEnd::Restart => continue,
+                PassEnd::Stop(msg) => {
+                    tracing::warn!("replication stopped: {msg}");
+                    self.status.update(|s| s.source = SourceState::Stopped { error: Some(msg) });
+                    return Ok(());
+                }
                 PassEnd::Fatal(msg) => {
                     tracing::error!("replication stopped: {msg}");
                     self.status.update(|s| s.source = SourceState::Stopped { error: Some(msg.clone()) });
@@ -160,7 +176,7 @@ impl Streamer {
     /// Runs blocking change-log work without stalling the runtime's other tasks.
     fn with_log<R>(&mut self, f: impl FnOnce(&mut dyn ChangeLog) -> anyhow::Result<R>) -> Result<R, PassEnd> {
         let log = self.log.as_mut().expect("the change log is home between passes");
-        tokio::task::block_in_place(|| f(log.as_mut())).map_err(|e| PassEnd::Retry(format!("change log: {e:#}")))
+        tokio::task::block_in_place(|| f(log.as_mut())).map_err(|e| storage_end(&e))
     }
 
     /// Opens the source and settles the lineage. Returns the stream and the
@@ -257,7 +273,7 @@ impl Streamer {
             Ok(exit) => {
                 self.log = Some(exit.log);
                 match exit.result {
-                    Err(e) if !matches!(end, PassEnd::Fatal(_)) => PassEnd::Retry(format!("change log: {e:#}")),
+                    Err(e) if !matches!(end, PassEnd::Fatal(_)) => storage_end(&e),
                     _ => end,
                 }
             }

@@ -186,9 +186,14 @@ impl State {
         let table = (id % cfg.tables as u64) as u32;
         let mut payload = String::with_capacity(cfg.row_bytes);
         let mut r = mix(cfg.seed ^ id);
-        while payload.len() < cfg.row_bytes {
+        'fill: loop {
             r = mix(r);
-            payload.push((b'a' + (r % 26) as u8) as char);
+            for k in 0..8 {
+                if payload.len() >= cfg.row_bytes {
+                    break 'fill;
+                }
+                payload.push((b'a' + ((r >> (k * 8)) as u8 % 26)) as char);
+            }
         }
         (
             table,

@@ -1,0 +1,610 @@
+//! The change log in a Postgres change DB, in Zero's own schema
+//! (`"<appID>_<shardNum>/cdc"`, version 6), so several hosts can share it
+//! with one writer at a time and Zero's view-syncers discover the writer
+//! from `replicationState.ownerAddress`.
+//!
+//! Ownership: each storage transaction first locks the `replicationState`
+//! row (`FOR UPDATE`) and checks at commit that this host still owns the
+//! log; a host that took over makes this one stop without writing another
+//! row, and a takeover waits for an open transaction. Lock order is always
+//! `replicationState`, then `changeLog`, then the `replicationState` update.
+//!
+//! The calls are blocking (the storer runs on its own thread); each one
+//! drives tokio-postgres on the runtime through `Handle::block_on`.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::runtime::Handle;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{Client, NoTls};
+
+use super::{Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, StorageError, StoredRow};
+
+/// The current schema version of Zero's change DB, and the oldest it reads.
+const SCHEMA_VERSION: i32 = 6;
+const MIN_SAFE_VERSION: i32 = 1;
+
+/// Connection settings shared by the writer and the readers.
+#[derive(Debug, Clone)]
+pub struct PgSettings {
+    pub url: String,
+    pub app_id: String,
+    pub shard_num: u32,
+    pub task_id: String,
+    pub statement_timeout: Duration,
+}
+
+impl PgSettings {
+    /// `"zero_0/cdc"`, quoted: the `/` makes quoting mandatory.
+    pub fn schema(&self) -> String {
+        quote_ident(&format!("{}_{}/cdc", self.app_id, self.shard_num))
+    }
+
+    async fn connect(&self) -> anyhow::Result<Client> {
+        let mut config: tokio_postgres::Config =
+            self.url.parse().with_context(|| format!("--change-db {}: not a Postgres URL", redact(&self.url)))?;
+        config.application_name("zero-change-streamer");
+        config.connect_timeout(Duration::from_secs(10));
+        let (client, connection) = config
+            .connect(NoTls)
+            .await
+            .with_context(|| format!("connecting to the change DB {}", redact(&self.url)))?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::warn!("change DB connection ended: {e}");
+            }
+        });
+        client
+            .batch_execute(&format!("SET statement_timeout = {}", self.statement_timeout.as_millis()))
+            .await
+            .context("setting statement_timeout")?;
+        Ok(client)
+    }
+}
+
+/// The URL without its password, for messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+                None => url.to_string(),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+pub fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// Turns Postgres errors that mean "stop" into [`StorageError`]s.
+fn classify(e: tokio_postgres::Error, what: &str) -> anyhow::Error {
+    if let Some(db) = e.as_db_error() {
+        if *db.code() == SqlState::UNDEFINED_TABLE || *db.code() == SqlState::INVALID_SCHEMA_NAME {
+            return StorageError::Gone(format!("{what}: {}", db.message())).into();
+        }
+    }
+    anyhow::Error::new(e).context(what.to_string())
+}
+
+pub struct PostgresChangeLog {
+    settings: PgSettings,
+    schema: String,
+    rt: Handle,
+    client: Option<Client>,
+    /// The prepared batch insert, for the current connection.
+    insert: Option<tokio_postgres::Statement>,
+    /// The owner read at the start of the open storage transaction.
+    owner_at_begin: Option<Option<String>>,
+}
+
+impl PostgresChangeLog {
+    /// Connects and creates the schema if it does not exist.
+    pub fn open(settings: PgSettings, rt: Handle) -> anyhow::Result<Self> {
+        let schema = settings.schema();
+        let mut log = PostgresChangeLog { settings, schema, rt, client: None, insert: None, owner_at_begin: None };
+        log.setup()?;
+        Ok(log)
+    }
+
+    /// The live connection, reconnecting after a loss.
+    fn client(&mut self) -> anyhow::Result<&Client> {
+        if self.client.as_ref().is_none_or(|c| c.is_closed()) {
+            let settings = self.settings.clone();
+            self.insert = None;
+            self.client = Some(self.rt.block_on(settings.connect())?);
+        }
+        Ok(self.client.as_ref().expect("connected above"))
+    }
+
+    fn run<T>(&mut self, f: impl AsyncFnOnce(&Client) -> anyhow::Result<T>) -> anyhow::Result<T> {
+        let rt = self.rt.clone();
+        let client = self.client()?;
+        rt.block_on(f(client))
+    }
+
+    fn setup(&mut self) -> anyhow::Result<()> {
+        let s = self.schema.clone();
+        self.run(async |c| {
+            c.batch_execute(&format!(
+                r#"
+                CREATE SCHEMA IF NOT EXISTS {s};
+                CREATE TABLE IF NOT EXISTS {s}."versionHistory" (
+                  "dataVersion" int NOT NULL,
+                  "schemaVersion" int NOT NULL,
+                  "minSafeVersion" int NOT NULL,
+                  "lock" char(1) NOT NULL DEFAULT 'v' CHECK ("lock" = 'v') PRIMARY KEY
+                );
+                CREATE TABLE IF NOT EXISTS {s}."changeLog" (
+                  watermark TEXT,
+                  pos INT8,
+                  change JSON NOT NULL,
+                  precommit TEXT,
+                  PRIMARY KEY (watermark, pos)
+                );
+                CREATE TABLE IF NOT EXISTS {s}."replicationState" (
+                  "lastWatermark" TEXT NOT NULL,
+                  "owner" TEXT,
+                  "ownerAddress" TEXT,
+                  "lock" INTEGER PRIMARY KEY DEFAULT 1 CHECK (lock=1)
+                );
+                CREATE TABLE IF NOT EXISTS {s}."replicationConfig" (
+                  "replicaVersion" TEXT NOT NULL,
+                  "publications" TEXT[] NOT NULL,
+                  "resetRequired" BOOL,
+                  "lock" INTEGER PRIMARY KEY DEFAULT 1 CHECK (lock=1)
+                );
+                CREATE TABLE IF NOT EXISTS {s}."tableMetadata" (
+                  "schema" TEXT NOT NULL,
+                  "table" TEXT NOT NULL,
+                  "metadata" JSONB NOT NULL,
+                  PRIMARY KEY("schema", "table")
+                );
+                CREATE TABLE IF NOT EXISTS {s}."backfilling" (
+                  "schema" TEXT NOT NULL,
+                  "table" TEXT NOT NULL,
+                  "column" TEXT NOT NULL,
+                  "backfill" JSONB NOT NULL,
+                  PRIMARY KEY("schema", "table", "column")
+                );
+                INSERT INTO {s}."versionHistory" ("dataVersion", "schemaVersion", "minSafeVersion")
+                  VALUES ({SCHEMA_VERSION}, {SCHEMA_VERSION}, {MIN_SAFE_VERSION})
+                  ON CONFLICT ("lock") DO NOTHING;
+                "#
+            ))
+            .await
+            .map_err(|e| classify(e, "creating the change DB schema"))?;
+            let row = c
+                .query_one(&format!(r#"SELECT "schemaVersion", "minSafeVersion" FROM {s}."versionHistory""#), &[])
+                .await
+                .map_err(|e| classify(e, "reading versionHistory"))?;
+            let (version, min_safe): (i32, i32) = (row.get(0), row.get(1));
+            anyhow::ensure!(
+                version == SCHEMA_VERSION || (version > SCHEMA_VERSION && min_safe <= SCHEMA_VERSION),
+                "the change DB schema {s} is at version {version}; this Sluice writes version {SCHEMA_VERSION}"
+            );
+            Ok(())
+        })
+    }
+}
+
+impl ChangeLog for PostgresChangeLog {
+    fn state(&mut self) -> anyhow::Result<Option<LogState>> {
+        let s = self.schema.clone();
+        self.run(async |c| {
+            let config = c
+                .query_opt(&format!(r#"SELECT "replicaVersion", "resetRequired" FROM {s}."replicationConfig""#), &[])
+                .await
+                .map_err(|e| classify(e, "reading replicationConfig"))?;
+            let Some(config) = config else { return Ok(None) };
+            let replica_version: String = config.get(0);
+            let reset_required: Option<bool> = config.get(1);
+            let last = c
+                .query_opt(&format!(r#"SELECT "lastWatermark" FROM {s}."replicationState""#), &[])
+                .await
+                .map_err(|e| classify(e, "reading replicationState"))?;
+            Ok(Some(LogState {
+                last_watermark: last.map(|r| r.get(0)).unwrap_or_else(|| replica_version.clone()),
+                replica_version,
+                reset_required: reset_required.unwrap_or(false),
+            }))
+        })
+    }
+
+    fn reset(&mut self, replica_version: &str) -> anyhow::Result<()> {
+        let s = self.schema.clone();
+        let rv = replica_version.to_string();
+        self.run(async |c| {
+            // Zero's ensureReplicationConfig, in its lock order.
+            c.batch_execute("BEGIN").await?;
+            let result = async {
+                c.batch_execute(&format!(
+                    r#"TRUNCATE TABLE {s}."replicationState";
+                       TRUNCATE TABLE {s}."changeLog";
+                       TRUNCATE TABLE {s}."replicationConfig";
+                       TRUNCATE TABLE {s}."tableMetadata";
+                       TRUNCATE TABLE {s}."backfilling";"#
+                ))
+                .await?;
+                c.execute(
+                    &format!(r#"INSERT INTO {s}."replicationConfig" ("replicaVersion", "publications") VALUES ($1, '{{}}')"#),
+                    &[&rv],
+                )
+                .await?;
+                c.execute(
+                    &format!(
+                        r#"INSERT INTO {s}."replicationState" ("lastWatermark", "owner", "ownerAddress") VALUES ($1, NULL, NULL)
+                           ON CONFLICT ("lock") DO UPDATE SET "lastWatermark" = $1, "owner" = NULL, "ownerAddress" = NULL"#
+                    ),
+                    &[&rv],
+                )
+                .await?;
+                c.execute(
+                    &format!(
+                        r#"INSERT INTO {s}."changeLog" (watermark, pos, change) VALUES
+                           ($1, 0, '{{"tag":"begin"}}'), ($1, 1, '{{"tag":"commit"}}')"#
+                    ),
+                    &[&rv],
+                )
+                .await?;
+                Ok::<_, tokio_postgres::Error>(())
+            }
+            .await;
+            match result {
+                Ok(()) => c.batch_execute("COMMIT").await.map_err(|e| classify(e, "resetting the change DB")),
+                Err(e) => {
+                    let _ = c.batch_execute("ROLLBACK").await;
+                    Err(classify(e, "resetting the change DB"))
+                }
+            }
+        })
+    }
+
+    fn mark_reset_required(&mut self) -> anyhow::Result<()> {
+        let s = self.schema.clone();
+        self.run(async |c| {
+            c.execute(&format!(r#"UPDATE {s}."replicationConfig" SET "resetRequired" = true"#), &[])
+                .await
+                .map_err(|e| classify(e, "marking reset required"))?;
+            Ok(())
+        })
+    }
+
+    fn assume_ownership(&mut self, task_id: &str, address: &str) -> anyhow::Result<()> {
+        let s = self.schema.clone();
+        let (task, addr) = (task_id.to_string(), address.to_string());
+        self.run(async |c| {
+            c.execute(
+                &format!(r#"UPDATE {s}."replicationState" SET "owner" = $1, "ownerAddress" = $2"#),
+                &[&task, &addr],
+            )
+            .await
+            .map_err(|e| classify(e, "taking ownership of the change DB"))?;
+            Ok(())
+        })
+    }
+
+    fn begin(&mut self) -> anyhow::Result<()> {
+        let s = self.schema.clone();
+        let owner = self.run(async |c| {
+            c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED").await.map_err(|e| classify(e, "BEGIN"))?;
+            // Lock the row first: a takeover now waits for this transaction.
+            let row = c
+                .query_one(&format!(r#"SELECT "owner" FROM {s}."replicationState" FOR UPDATE"#), &[])
+                .await
+                .map_err(|e| classify(e, "locking replicationState"))?;
+            Ok(row.get::<_, Option<String>>(0))
+        });
+        match owner {
+            Ok(owner) => {
+                self.owner_at_begin = Some(owner);
+                Ok(())
+            }
+            Err(e) => {
+                let _ = self.rollback();
+                Err(e)
+            }
+        }
+    }
+
+    fn savepoint(&mut self) -> anyhow::Result<()> {
+        self.run(async |c| c.batch_execute("SAVEPOINT upstream_tx").await.map_err(|e| classify(e, "SAVEPOINT")))
+    }
+
+    fn release_savepoint(&mut self) -> anyhow::Result<()> {
+        self.run(async |c| c.batch_execute("RELEASE SAVEPOINT upstream_tx").await.map_err(|e| classify(e, "RELEASE")))
+    }
+
+    fn rollback_to_savepoint(&mut self) -> anyhow::Result<()> {
+        self.run(async |c| {
+            c.batch_execute("ROLLBACK TO SAVEPOINT upstream_tx; RELEASE SAVEPOINT upstream_tx")
+                .await
+                .map_err(|e| classify(e, "ROLLBACK TO SAVEPOINT"))
+        })
+    }
+
+    fn append(&mut self, rows: &[LogRow<'_>]) -> anyhow::Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        // One statement per batch with a constant text: the rows travel as
+        // one JSON document. `change` is already JSON and is embedded as is.
+        let mut doc = String::with_capacity(rows.iter().map(|r| r.change.len() + 64).sum());
+        doc.push('[');
+        for (i, r) in rows.iter().enumerate() {
+            if i > 0 {
+                doc.push(',');
+            }
+            doc.push_str("{\"w\":");
+            crate::change::json::push_str(&mut doc, r.watermark);
+            doc.push_str(",\"p\":");
+            crate::change::json::push_i64(&mut doc, r.pos);
+            doc.push_str(",\"c\":");
+            doc.push_str(r.change);
+            doc.push_str(",\"x\":");
+            match r.precommit {
+                Some(p) => crate::change::json::push_str(&mut doc, p),
+                None => doc.push_str("null"),
+            }
+            doc.push('}');
+        }
+        doc.push(']');
+        let s = self.schema.clone();
+        let first = rows[0].watermark.to_string();
+        let n = rows.len();
+        let cached = self.insert.clone();
+        let stmt = self.run(async |c| {
+            let stmt = match cached {
+                Some(stmt) => stmt,
+                None => c
+                    .prepare_typed(
+                        &format!(
+                            r#"INSERT INTO {s}."changeLog" (watermark, pos, change, precommit)
+                               SELECT r.w, r.p, r.c, r.x FROM json_to_recordset($1::text::json)
+                                 AS r(w text, p int8, c json, x text)"#
+                        ),
+                        &[tokio_postgres::types::Type::TEXT],
+                    )
+                    .await
+                    .map_err(|e| classify(e, "preparing the change-log insert"))?,
+            };
+            c.execute(&stmt, &[&doc])
+                .await
+                .map_err(|e| classify(e, &format!("inserting {n} change-log rows at watermark {first}")))?;
+            Ok(stmt)
+        })?;
+        self.insert = Some(stmt);
+        Ok(())
+    }
+
+    fn commit(&mut self, last_watermark: &str) -> anyhow::Result<()> {
+        let owner = self.owner_at_begin.take().flatten();
+        if owner.as_deref() != Some(self.settings.task_id.as_str()) {
+            let _ = self.rollback();
+            return Err(StorageError::OwnershipLost(format!(
+                "changeLog ownership has been assumed by {}",
+                owner.as_deref().unwrap_or("nobody")
+            ))
+            .into());
+        }
+        let s = self.schema.clone();
+        let last = last_watermark.to_string();
+        let result = self.run(async |c| {
+            c.execute(&format!(r#"UPDATE {s}."replicationState" SET "lastWatermark" = $1"#), &[&last])
+                .await
+                .map_err(|e| classify(e, "updating lastWatermark"))?;
+            c.batch_execute("COMMIT").await.map_err(|e| classify(e, "COMMIT"))
+        });
+        if result.is_err() {
+            let _ = self.rollback();
+        }
+        result
+    }
+
+    fn rollback(&mut self) -> anyhow::Result<()> {
+        self.owner_at_begin = None;
+        if let Some(c) = self.client.as_ref().filter(|c| !c.is_closed()) {
+            let rt = self.rt.clone();
+            rt.block_on(c.batch_execute("ROLLBACK")).map_err(|e| classify(e, "ROLLBACK"))?;
+        }
+        Ok(())
+    }
+
+    fn bounds(&mut self) -> anyhow::Result<Bounds> {
+        let s = self.schema.clone();
+        self.run(async |c| bounds(c, &s).await)
+    }
+}
+
+async fn bounds(c: &Client, s: &str) -> anyhow::Result<Bounds> {
+    let min = c
+        .query_one(&format!(r#"SELECT min(watermark) FROM {s}."changeLog""#), &[])
+        .await
+        .map_err(|e| classify(e, "reading the change log"))?;
+    let last = c
+        .query_one(&format!(r#"SELECT "lastWatermark" FROM {s}."replicationState""#), &[])
+        .await
+        .map_err(|e| classify(e, "reading replicationState"))?;
+    Ok(Bounds { min_watermark: min.get(0), last_watermark: last.get(0) })
+}
+
+/// Snapshots and purges, each on a connection of its own.
+pub struct PostgresReader {
+    settings: PgSettings,
+    schema: String,
+    rt: Handle,
+}
+
+impl PostgresReader {
+    pub fn new(settings: PgSettings, rt: Handle) -> Self {
+        PostgresReader { schema: settings.schema(), settings, rt }
+    }
+}
+
+struct PgSnapshot {
+    client: Client,
+    rt: Handle,
+    schema: String,
+    last_watermark: String,
+    declared: bool,
+}
+
+impl LogSnapshot for PgSnapshot {
+    fn last_watermark(&self) -> &str {
+        &self.last_watermark
+    }
+
+    /// Reads the next batch from the snapshot's cursor (the cursor keeps the
+    /// position, so `after` is not needed here).
+    fn read(&mut self, from: &str, _after: Option<(&str, i64)>, limit: usize) -> anyhow::Result<Vec<StoredRow>> {
+        let s = self.schema.clone();
+        let (from, last) = (from.to_string(), self.last_watermark.clone());
+        let declare = !self.declared;
+        self.declared = true;
+        let c = &self.client;
+        self.rt.block_on(async {
+            if declare {
+                let from = quote_literal(&from);
+                let last = quote_literal(&last);
+                c.batch_execute(&format!(
+                    r#"DECLARE catchup NO SCROLL CURSOR FOR
+                       SELECT watermark, pos, change->>'tag', change::text FROM {s}."changeLog"
+                       WHERE watermark >= {from} AND watermark <= {last} ORDER BY watermark, pos"#
+                ))
+                .await
+                .map_err(|e| classify(e, "opening the catch-up cursor"))?;
+            }
+            let rows = c
+                .query(&format!("FETCH {limit} FROM catchup"), &[])
+                .await
+                .map_err(|e| classify(e, "reading the change log"))?;
+            Ok(rows
+                .iter()
+                .map(|r| StoredRow {
+                    watermark: r.get(0),
+                    pos: r.get(1),
+                    tag: r.get::<_, Option<String>>(2).unwrap_or_default(),
+                    change: r.get(3),
+                })
+                .collect())
+        })
+    }
+}
+
+fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+impl LogReader for PostgresReader {
+    fn snapshot(&self) -> anyhow::Result<Box<dyn LogSnapshot>> {
+        let s = self.schema.clone();
+        let settings = self.settings.clone();
+        let (client, last_watermark) = self.rt.block_on(async {
+            let c = settings.connect().await?;
+            c.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await?;
+            // The first query pins the snapshot.
+            let row = c
+                .query_one(&format!(r#"SELECT "lastWatermark" FROM {s}."replicationState""#), &[])
+                .await
+                .map_err(|e| classify(e, "pinning the catch-up snapshot"))?;
+            anyhow::Ok((c, row.get::<_, String>(0)))
+        })?;
+        Ok(Box::new(PgSnapshot {
+            client,
+            rt: self.rt.clone(),
+            schema: self.schema.clone(),
+            last_watermark,
+            declared: false,
+        }))
+    }
+
+    fn bounds(&self) -> anyhow::Result<Bounds> {
+        let s = self.schema.clone();
+        let settings = self.settings.clone();
+        self.rt.block_on(async {
+            let c = settings.connect().await?;
+            bounds(&c, &s).await
+        })
+    }
+
+    /// Zero's purgeRecordsBefore: fail fast if a purge lock holds the first
+    /// row, delete below the floor but never the newest transaction, and
+    /// re-check ownership in the same transaction.
+    fn purge_before(&self, floor: &str) -> anyhow::Result<u64> {
+        let s = self.schema.clone();
+        let settings = self.settings.clone();
+        let floor = floor.to_string();
+        self.rt.block_on(async {
+            let c = settings.connect().await?;
+            c.batch_execute("BEGIN").await?;
+            let result = async {
+                c.query(
+                    &format!(
+                        r#"SELECT watermark FROM {s}."changeLog" ORDER BY watermark, pos LIMIT 1 FOR UPDATE NOWAIT"#
+                    ),
+                    &[],
+                )
+                .await
+                .map_err(|e| classify(e, "locking the change log for purging"))?;
+                let deleted = c
+                    .execute(
+                        &format!(
+                            r#"DELETE FROM {s}."changeLog" WHERE watermark < $1
+                               AND watermark < (SELECT max(watermark) FROM {s}."changeLog")"#
+                        ),
+                        &[&floor],
+                    )
+                    .await
+                    .map_err(|e| classify(e, "purging the change log"))?;
+                let owner: Option<String> = c
+                    .query_one(&format!(r#"SELECT "owner" FROM {s}."replicationState" FOR SHARE"#), &[])
+                    .await
+                    .map_err(|e| classify(e, "reading the owner"))?
+                    .get(0);
+                if owner.as_deref() != Some(settings.task_id.as_str()) {
+                    anyhow::bail!(StorageError::OwnershipLost(format!(
+                        "aborting changeLog purge to {floor} because ownership has been taken by {}",
+                        owner.as_deref().unwrap_or("nobody")
+                    )));
+                }
+                Ok(deleted)
+            }
+            .await;
+            match result {
+                Ok(n) => {
+                    c.batch_execute("COMMIT").await?;
+                    Ok(n)
+                }
+                Err(e) => {
+                    let _ = c.batch_execute("ROLLBACK").await;
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    /// By transaction count only: Zero's schema records no time per row.
+    fn retention_floor(&self, transactions: Option<u64>, _age: Option<Duration>) -> anyhow::Result<Option<String>> {
+        let Some(n) = transactions.filter(|n| *n > 0) else { return Ok(None) };
+        let s = self.schema.clone();
+        let settings = self.settings.clone();
+        self.rt.block_on(async {
+            let c = settings.connect().await?;
+            let row = c
+                .query_opt(
+                    &format!(
+                        r#"SELECT watermark FROM {s}."changeLog" WHERE change->>'tag' = 'commit'
+                           ORDER BY watermark DESC LIMIT 1 OFFSET $1"#
+                    ),
+                    &[&(n as i64 - 1)],
+                )
+                .await
+                .map_err(|e| classify(e, "reading the retention window"))?;
+            Ok(Some(row.map(|r| r.get::<_, String>(0)).unwrap_or_default()))
+        })
+    }
+}

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Runs a command with a private PostgreSQL server for the tests.
+#
+#   tests/pg/with-postgres.sh cargo test
+#
+# Starts a throw-away server (wal_level=logical, a free port on 127.0.0.1, a
+# temporary data directory) as an unprivileged user, exports
+# SLUICE_TEST_PG_URL for the tests, and removes everything afterwards.
+# To use a server of your own instead, set SLUICE_TEST_PG_URL yourself
+# (a superuser URL, e.g. postgres://postgres@127.0.0.1:5432/postgres).
+set -euo pipefail
+
+if [ -n "${SLUICE_TEST_PG_URL:-}" ]; then
+  exec "$@"
+fi
+
+find_bindir() {
+  local d
+  d=$(pg_config --bindir 2>/dev/null || true)
+  if [ -n "$d" ] && [ -x "$d/initdb" ]; then echo "$d"; return; fi
+  d=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
+  if [ -n "$d" ] && [ -x "$d/initdb" ]; then echo "$d"; return; fi
+}
+
+BINDIR=$(find_bindir)
+if [ -z "$BINDIR" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "with-postgres: installing the PostgreSQL server (apt-get install postgresql)" >&2
+  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+  BINDIR=$(find_bindir)
+fi
+if [ -z "$BINDIR" ]; then
+  echo "with-postgres: no PostgreSQL server binaries found (install postgresql, or set SLUICE_TEST_PG_URL)" >&2
+  exit 1
+fi
+
+# The server refuses to run as root.
+RUN=()
+if [ "$(id -u)" = 0 ]; then
+  id postgres >/dev/null 2>&1 || useradd --system --no-create-home postgres
+  RUN=(runuser -u postgres --)
+fi
+
+DIR=$(mktemp -d /tmp/sluice-pg.XXXXXX)
+chmod 755 "$DIR"
+[ "$(id -u)" = 0 ] && chown postgres "$DIR"
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+
+stop() {
+  "${RUN[@]}" "$BINDIR/pg_ctl" -D "$DIR/data" -m immediate -w stop >/dev/null 2>&1 || true
+  rm -rf "$DIR"
+}
+trap stop EXIT
+
+"${RUN[@]}" "$BINDIR/initdb" -D "$DIR/data" -U postgres -A trust -E UTF8 --no-sync >"$DIR/initdb.log" 2>&1 ||
+  { cat "$DIR/initdb.log" >&2; exit 1; }
+"${RUN[@]}" "$BINDIR/pg_ctl" -D "$DIR/data" -l "$DIR/server.log" -w -t 60 \
+  -o "-p $PORT -k $DIR -c listen_addresses=127.0.0.1 -c wal_level=logical -c max_connections=300 -c max_wal_senders=20 -c max_replication_slots=20" \
+  start >/dev/null || { cat "$DIR/server.log" >&2; exit 1; }
+
+export SLUICE_TEST_PG_URL="postgres://postgres@127.0.0.1:$PORT/postgres"
+echo "with-postgres: PostgreSQL $("$BINDIR/postgres" --version | awk '{print $3}') at $SLUICE_TEST_PG_URL" >&2
+"$@"
