@@ -31,9 +31,12 @@ interop-deps:
 	@test -f tests/interop/node_modules/@rocicorp/zero/package.json || \
 		npm install --prefix tests/interop --ignore-scripts --no-audit --no-fund --loglevel=error
 
-# The README's test command: the whole suite.
+# The README's test command: the whole suite, with a private PostgreSQL
+# server for the Postgres change-DB tests (set SLUICE_TEST_PG_URL to use
+# your own server instead).
 test: plugins interop-deps
-	$(CARGO) test --workspace --exclude mock-source -- --test-threads=2
+	$(CARGO) build --tests
+	tests/pg/with-postgres.sh $(CARGO) test --workspace --exclude mock-source -- --test-threads=2
 
 
 bench: plugins

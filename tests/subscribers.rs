@@ -4,18 +4,16 @@
 #[macro_use]
 mod common;
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
+use common::feed::*;
 use common::*;
 use futures::{SinkExt, StreamExt};
 use sluice::cleanup::{purge_once, CleanupOptions};
 use sluice::hub::Hub;
 use sluice::server::AppState;
-use sluice::source::model::{Begin, Commit, Delete, Insert, KeyType, Message, Relation, Value};
-use sluice::source::{ChangeSource, ChangeStream, SourceError};
+use sluice::source::model::Message;
 use sluice::status::Status;
 use sluice::streamer::{Streamer, StreamerOptions};
 use tokio::sync::watch;
@@ -37,89 +35,6 @@ on_both_backends!(
     bad_requests_close_with_zeros_reasons,
     an_out_of_order_ack_closes_the_stream
 );
-
-/// A source fed by the test: messages are delivered in the order pushed;
-/// `fail` ends the current stream, later messages go to the next open.
-#[derive(Clone, Default)]
-struct Feed {
-    items: Arc<Mutex<VecDeque<Option<Message>>>>,
-    opens: Arc<Mutex<Vec<Option<String>>>>,
-}
-
-impl Feed {
-    fn push(&self, m: Message) {
-        self.items.lock().unwrap().push_back(Some(m));
-    }
-    fn fail(&self) {
-        self.items.lock().unwrap().push_back(None);
-    }
-    fn tx(&self, w: &str, ids: &[i64]) {
-        self.push(begin(w));
-        for id in ids {
-            self.push(insert(*id));
-        }
-        self.push(commit(w));
-    }
-}
-
-struct FeedStream(Feed);
-
-#[async_trait]
-impl ChangeSource for Feed {
-    fn name(&self) -> &str {
-        "feed"
-    }
-    async fn open(&mut self, resume_after: Option<&str>) -> Result<Box<dyn ChangeStream>, SourceError> {
-        self.opens.lock().unwrap().push(resume_after.map(str::to_string));
-        let mut items = self.items.lock().unwrap();
-        items.push_front(Some(relation()));
-        Ok(Box::new(FeedStream(self.clone())))
-    }
-}
-
-#[async_trait]
-impl ChangeStream for FeedStream {
-    fn replica_version(&self) -> &str {
-        "01"
-    }
-    async fn next_batch(&mut self, _max: u32) -> Result<Vec<Message>, SourceError> {
-        let next = self.0.items.lock().unwrap().pop_front();
-        match next {
-            Some(Some(m)) => Ok(vec![m]),
-            Some(None) => Err(SourceError::Transient("feed: injected failure".into())),
-            None => {
-                tokio::time::sleep(Duration::from_millis(2)).await;
-                Ok(vec![])
-            }
-        }
-    }
-    async fn ack(&mut self, _watermark: &str) -> Result<(), SourceError> {
-        Ok(())
-    }
-}
-
-fn relation() -> Message {
-    Message::Relation(Relation {
-        id: 0,
-        schema: "public".into(),
-        name: "foo".into(),
-        columns: vec!["id".into(), "big".into()],
-        key_columns: vec!["id".into()],
-        key_type: KeyType::Default,
-    })
-}
-fn begin(w: &str) -> Message {
-    Message::Begin(Begin { commit_watermark: w.into(), extra: None })
-}
-fn insert(id: i64) -> Message {
-    Message::Insert(Insert { relation: 0, new: vec![Value::Int(id), Value::Int(987654321987654321 + id)] })
-}
-fn delete(id: i64) -> Message {
-    Message::Delete(Delete { relation: 0, old: vec![Value::Int(id), Value::Absent] })
-}
-fn commit(w: &str) -> Message {
-    Message::Commit(Commit { watermark: w.into(), extra: None })
-}
 
 struct Server {
     addr: String,

@@ -237,6 +237,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     shard_num: args.shard_num,
                     task_id: args.task_id.clone(),
                     statement_timeout: Duration::from_millis(args.statement_timeout_ms),
+                    application_name: "zero-change-streamer".into(),
                 };
                 let rt = tokio::runtime::Handle::current();
                 let log = tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?;
@@ -270,6 +271,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         auto_reset: args.auto_reset,
         task_id: args.task_id.clone(),
         advertise: args.advertise.clone().unwrap_or_else(|| addr.to_string()),
+        wedge_timeout: Duration::from_millis(args.statement_timeout_ms),
         ..StreamerOptions::default()
     };
     tracing::info!(

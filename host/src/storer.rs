@@ -66,6 +66,8 @@ impl CatchupQueue {
 /// Bytes queued between the loop and the storer, with a gate for the loop.
 struct Budget {
     queued: AtomicUsize,
+    /// Commands processed so far: the wedge watchdog's sign of life.
+    processed: std::sync::atomic::AtomicU64,
     limit: usize,
     drained: Notify,
 }
@@ -115,8 +117,12 @@ impl Storer {
         status: Arc<Status>,
     ) -> Storer {
         let (commands, rx) = mpsc::unbounded_channel();
-        let budget =
-            Arc::new(Budget { queued: AtomicUsize::new(0), limit: options.queue_budget, drained: Notify::new() });
+        let budget = Arc::new(Budget {
+            queued: AtomicUsize::new(0),
+            processed: Default::default(),
+            limit: options.queue_budget,
+            drained: Notify::new(),
+        });
         let worker_budget = budget.clone();
         let exited = Arc::new(Exited::default());
         let worker_exited = exited.clone();
@@ -172,6 +178,11 @@ impl Storer {
 
     pub fn queued_bytes(&self) -> usize {
         self.budget.queued.load(Ordering::Acquire)
+    }
+
+    /// How many commands the storer has processed (grows while it works).
+    pub fn progress(&self) -> u64 {
+        self.budget.processed.load(Ordering::Acquire)
     }
 
     /// Resolves when the thread has exited on its own (after a storage error).
@@ -283,6 +294,7 @@ impl Worker {
                 Command::Change { watermark, change } => {
                     let bytes = change.json.len();
                     let result = self.apply(watermark, change);
+                    self.budget.processed.fetch_add(1, Ordering::AcqRel);
                     self.budget.release(bytes);
                     result?;
                 }

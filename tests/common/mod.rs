@@ -1,6 +1,8 @@
 //! Shared helpers for the integration tests.
 #![allow(dead_code)]
 
+pub mod feed;
+
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -107,12 +109,17 @@ impl LogSpec {
 
     pub fn with_task(backend: Backend, dir: &Path, task_id: &str) -> LogSpec {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let pg = (backend == Backend::Postgres).then(|| PgSettings {
-            url: pg_url(),
-            app_id: format!("t{}x{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
-            shard_num: 0,
-            task_id: task_id.to_string(),
-            statement_timeout: Duration::from_secs(20),
+        let pg = (backend == Backend::Postgres).then(|| {
+            let app_id = format!("t{}x{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+            PgSettings {
+                url: pg_url(),
+                // Per test, so a test can find (and cut) its own connections.
+                application_name: format!("sluice-test-{app_id}"),
+                app_id,
+                shard_num: 0,
+                task_id: task_id.to_string(),
+                statement_timeout: Duration::from_secs(20),
+            }
         });
         LogSpec { backend, sqlite: dir.join("log.db"), pg }
     }
@@ -297,4 +304,9 @@ impl Harness {
         let _ = self.stop.send(true);
         self.task.await.unwrap()
     }
+}
+
+/// Sends the host's logs to the test output (shown for failing tests).
+pub fn init_logs() {
+    let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("sluice=debug").try_init();
 }

@@ -33,6 +33,8 @@ pub struct PgSettings {
     pub shard_num: u32,
     pub task_id: String,
     pub statement_timeout: Duration,
+    /// Zero's change-streamer connects as `zero-change-streamer`.
+    pub application_name: String,
 }
 
 impl PgSettings {
@@ -44,7 +46,7 @@ impl PgSettings {
     async fn connect(&self) -> anyhow::Result<Client> {
         let mut config: tokio_postgres::Config =
             self.url.parse().with_context(|| format!("--change-db {}: not a Postgres URL", redact(&self.url)))?;
-        config.application_name("zero-change-streamer");
+        config.application_name(&self.application_name);
         config.connect_timeout(Duration::from_secs(10));
         let (client, connection) = config
             .connect(NoTls)

@@ -41,6 +41,9 @@ pub struct StreamerOptions {
     pub flow_control_bytes: usize,
     /// Zero's consensus timeout proportion; negative waits for everyone.
     pub consensus_proportion: f64,
+    /// While the loop waits on back-pressure, a storer that processes
+    /// nothing for this long is considered wedged and the service stops.
+    pub wedge_timeout: Duration,
 }
 
 impl Default for StreamerOptions {
@@ -54,6 +57,7 @@ impl Default for StreamerOptions {
             advertise: "127.0.0.1:4849".into(),
             flow_control_bytes: 64 << 10,
             consensus_proportion: 2.0,
+            wedge_timeout: Duration::from_secs(20),
         }
     }
 }
@@ -351,10 +355,23 @@ impl Streamer {
                 }
             }
             if storer.queued_bytes() > self.options.storer.queue_budget {
-                tokio::select! {
-                    _ = storer.ready_for_more() => {}
-                    _ = storer.finished() => return PassEnd::Retry("the change log writer stopped".into()),
-                    _ = shutdown.changed() => return PassEnd::Shutdown,
+                // Back-pressure, with Zero's watchdog for a wedged change log.
+                let mut seen = storer.progress();
+                loop {
+                    tokio::select! {
+                        _ = storer.ready_for_more() => break,
+                        _ = storer.finished() => return PassEnd::Retry("the change log writer stopped".into()),
+                        _ = shutdown.changed() => return PassEnd::Shutdown,
+                        _ = tokio::time::sleep(self.options.wedge_timeout) => {
+                            if storer.progress() == seen {
+                                return PassEnd::Fatal(format!(
+                                    "No statement processed within the last {}ms. Considering the change-log to be wedged.",
+                                    self.options.wedge_timeout.as_millis()
+                                ));
+                            }
+                            seen = storer.progress();
+                        }
+                    }
                 }
             }
         }

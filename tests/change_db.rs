@@ -1,0 +1,297 @@
+//! The Postgres change DB: Zero's schema, single-owner handoff, purge rules,
+//! dropped tables, lost connections and the wedge watchdog (§8.1 and §8.3).
+
+#[macro_use]
+mod common;
+
+use std::time::Duration;
+
+use common::feed::*;
+use common::*;
+use serde_json::json;
+use sluice::plugin::Limits;
+use sluice::storage::StorageError;
+use sluice::storer::StorerOptions;
+use sluice::streamer::StreamerOptions;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn options() -> StreamerOptions {
+    StreamerOptions {
+        task_id: "task-id".into(),
+        advertise: "change.streamer:12345".into(),
+        ..StreamerOptions::default()
+    }
+}
+
+async fn stored(h: &Harness, w: &str) {
+    let st = h.status.clone();
+    wait_until(&format!("{w} stored"), WAIT, || {
+        let s = st.snapshot();
+        async move { s.last_watermark.as_deref() == Some(w) }
+    })
+    .await;
+}
+
+fn pg_spec(dir: &tempfile::TempDir) -> LogSpec {
+    LogSpec::with_task(Backend::Postgres, dir.path(), "task-id")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uses_zeros_schema_and_records_the_owner() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = pg_spec(&dir);
+    let feed = Feed::default();
+    let h = start(&spec, Box::new(feed.clone()), options());
+    feed.tx("09", &[1, 2]);
+    stored(&h, "09").await;
+    let c = spec.pg_client().await;
+    let s = spec.schema();
+    assert!(s.ends_with("_0/cdc\""), "{s}");
+    let row = c
+        .query_one(&format!(r#"SELECT "owner", "ownerAddress", "lastWatermark" FROM {s}."replicationState""#), &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, Option<String>>(0).as_deref(), Some("task-id"));
+    assert_eq!(row.get::<_, Option<String>>(1).as_deref(), Some("change.streamer:12345"));
+    assert_eq!(row.get::<_, String>(2), "09");
+    let ty: String = c
+        .query_one(
+            "SELECT data_type FROM information_schema.columns WHERE table_schema = $1 AND table_name = 'changeLog' AND column_name = 'change'",
+            &[&s.trim_matches('"')],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(ty, "json", "change is JSON, not JSONB");
+    let v: (i32, i32, i32) = {
+        let r = c
+            .query_one(
+                &format!(r#"SELECT "dataVersion", "schemaVersion", "minSafeVersion" FROM {s}."versionHistory""#),
+                &[],
+            )
+            .await
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    assert_eq!(v, (6, 6, 1));
+    let tags: Vec<(String, i64, String)> = spec.rows().await.into_iter().map(|r| (r.watermark, r.pos, r.tag)).collect();
+    assert_eq!(tags[..2], [("01".into(), 0, "begin".into()), ("01".into(), 1, "commit".into())], "seed rows");
+    h.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_before_a_transaction_stops_the_old_owner_without_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = pg_spec(&dir);
+    let feed = Feed::default();
+    let h = start(&spec, Box::new(feed.clone()), options());
+    feed.tx("0d", &[1]);
+    stored(&h, "0d").await;
+    let c = spec.pg_client().await;
+    let s = spec.schema();
+    c.execute(
+        &format!(
+            r#"UPDATE {s}."replicationState" SET "owner" = 'other-task', "ownerAddress" = 'change.streamer3:7645'"#
+        ),
+        &[],
+    )
+    .await
+    .unwrap();
+    feed.tx("0f", &[2]);
+    // The streamer stops on its own, cleanly.
+    let result = tokio::time::timeout(WAIT, h.task).await.expect("the streamer stops").unwrap();
+    assert!(result.is_ok(), "{result:?}");
+    assert_eq!(spec.committed().await, ["0d"]);
+    let row = c
+        .query_one(&format!(r#"SELECT "owner", "ownerAddress", "lastWatermark" FROM {s}."replicationState""#), &[])
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "other-task");
+    assert_eq!(row.get::<_, String>(1), "change.streamer3:7645");
+    assert_eq!(row.get::<_, String>(2), "0d");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_waits_for_an_open_transaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = pg_spec(&dir);
+    let feed = Feed::default();
+    let h = start(&spec, Box::new(feed.clone()), options());
+    feed.tx("03", &[1]);
+    stored(&h, "03").await;
+    feed.push(begin("05"));
+    feed.push(insert(2));
+    let c = spec.pg_client().await;
+    let s = spec.schema();
+    // Wait until the storer holds the row lock for the open transaction.
+    let locked = format!(r#"SELECT "owner" FROM {s}."replicationState" FOR UPDATE NOWAIT"#);
+    let mut err = None;
+    for _ in 0..500 {
+        c.batch_execute("BEGIN").await.unwrap();
+        let r = c.query(&locked, &[]).await;
+        c.batch_execute("ROLLBACK").await.unwrap();
+        if let Err(e) = r {
+            err = Some(e);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let err = err.expect("the open transaction holds the replicationState row");
+    assert!(
+        err.as_db_error().unwrap().message().contains("could not obtain lock on row in relation \"replicationState\""),
+        "{err}"
+    );
+    feed.push(commit("05"));
+    stored(&h, "05").await;
+    c.batch_execute("BEGIN").await.unwrap();
+    let owner: String = c.query_one(&locked, &[]).await.unwrap().get(0);
+    c.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(owner, "task-id");
+    h.stop().await.unwrap();
+}
+
+async fn stops_cleanly_when(drop_sql: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = pg_spec(&dir);
+    let feed = Feed::default();
+    let h = start(&spec, Box::new(feed.clone()), options());
+    feed.tx("03", &[1]);
+    stored(&h, "03").await;
+    let c = spec.pg_client().await;
+    c.batch_execute(&drop_sql.replace("{s}", &spec.schema())).await.unwrap();
+    // The stream fails, the reopen finds the tables gone.
+    feed.fail();
+    feed.tx("05", &[2]);
+    let result = tokio::time::timeout(WAIT, h.task).await.expect("the streamer stops").unwrap();
+    assert!(result.is_ok(), "a clean stop, not an error: {result:?}");
+    let state = h.status.snapshot().source;
+    assert!(format!("{state:?}").contains("gone"), "{state:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_table_stops_the_service_cleanly() {
+    stops_cleanly_when(r#"DROP TABLE {s}."replicationState""#).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_schema_stops_the_service_cleanly() {
+    stops_cleanly_when("DROP SCHEMA {s} CASCADE").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_deletes_below_the_floor_and_keeps_the_latest_transaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = pg_spec(&dir);
+    let feed = Feed::default();
+    let h = start(&spec, Box::new(feed.clone()), options());
+    feed.tx("03", &[1]);
+    feed.tx("06", &[2]);
+    stored(&h, "06").await;
+    let reader = h.hub.reader().clone();
+    let purge = |w: &'static str| {
+        let r = reader.clone();
+        tokio::task::block_in_place(move || r.purge_before(w)).unwrap()
+    };
+    let watermarks =
+        || async { spec.rows().await.into_iter().map(|r| r.watermark).collect::<std::collections::BTreeSet<_>>() };
+    assert_eq!(purge("02"), 2, "the two seed rows");
+    assert_eq!(purge("03"), 0);
+    assert_eq!(watermarks().await.into_iter().collect::<Vec<_>>(), ["03", "06"]);
+    assert_eq!(purge("04"), 3);
+    assert_eq!(purge("06"), 0);
+    assert_eq!(purge("99"), 0, "the newest transaction always stays");
+    assert_eq!(watermarks().await.into_iter().collect::<Vec<_>>(), ["06"]);
+
+    // A purge lock on the first row makes purging fail fast, nothing deleted.
+    feed.tx("08", &[3]);
+    stored(&h, "08").await;
+    let locker = spec.pg_client().await;
+    locker.batch_execute("BEGIN").await.unwrap();
+    locker
+        .query(
+            &format!(
+                r#"SELECT watermark FROM {}."changeLog" ORDER BY watermark, pos LIMIT 1 FOR SHARE"#,
+                spec.schema()
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    let r = reader.clone();
+    let err = tokio::task::block_in_place(move || r.purge_before("08")).unwrap_err();
+    assert!(format!("{err:#}").contains("could not obtain lock"), "{err:#}");
+    assert_eq!(watermarks().await.into_iter().collect::<Vec<_>>(), ["06", "08"]);
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(purge("08"), 3);
+
+    // A host that lost ownership does not purge.
+    feed.tx("0a", &[4]);
+    stored(&h, "0a").await;
+    h.stop().await.unwrap();
+    locker
+        .execute(&format!(r#"UPDATE {}."replicationState" SET "owner" = 'different-task-id'"#, spec.schema()), &[])
+        .await
+        .unwrap();
+    let r = reader.clone();
+    let err = tokio::task::block_in_place(move || r.purge_before("0a")).unwrap_err();
+    assert!(matches!(StorageError::find(&err), Some(StorageError::OwnershipLost(_))));
+    assert_eq!(err.to_string(), "aborting changeLog purge to 0a because ownership has been taken by different-task-id");
+    assert_eq!(watermarks().await.into_iter().collect::<Vec<_>>(), ["08", "0a"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_connection_is_retried_and_loses_nothing() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    // The mock harness runs as the default task, "sluice".
+    let spec = LogSpec::new(Backend::Postgres, dir.path());
+    let h = start_mock(&spec, json!({"transactions": 300, "rows_per_tx": 5, "rate": 300}), Limits::default()).await;
+    let c = spec.pg_client().await;
+    // Cut the writer's connections a few times while it streams.
+    let mut killed = 0;
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        c.query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            &[&spec.pg.as_ref().unwrap().application_name],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .for_each(|r| killed += r.get::<_, bool>(0) as usize);
+    }
+    assert!(killed > 0, "no connection was cut");
+    h.wait_for_watermark(&lexi(300), WAIT).await;
+    h.stop().await.unwrap();
+    assert_eq!(spec.committed().await, (1..=300).map(lexi).collect::<Vec<_>>());
+    spec.assert_whole().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wedged_change_db_stops_the_service() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let spec = pg_spec(&dir);
+    let options = StreamerOptions {
+        storer: StorerOptions { queue_budget: 16 << 10, ..StorerOptions::default() },
+        wedge_timeout: Duration::from_millis(500),
+        drain_timeout: Duration::from_millis(200),
+        ..options()
+    };
+    let feed = Feed::default();
+    let h = start(&spec, Box::new(feed.clone()), options);
+    feed.tx("03", &[1]);
+    stored(&h, "03").await;
+    // Another session holds the change log hostage.
+    let c = spec.pg_client().await;
+    c.batch_execute("BEGIN").await.unwrap();
+    c.batch_execute(&format!(r#"LOCK TABLE {}."changeLog" IN ACCESS EXCLUSIVE MODE"#, spec.schema())).await.unwrap();
+    for i in 0..200 {
+        feed.tx(&lexi(10 + i), &[i as i64; 20]);
+    }
+    let result = tokio::time::timeout(WAIT, h.task).await.expect("the streamer stops").unwrap();
+    let err = result.unwrap_err().to_string();
+    assert!(err.contains("Considering the change-log to be wedged") || err.contains("did not drain"), "{err}");
+    c.batch_execute("ROLLBACK").await.unwrap();
+}
