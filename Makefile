@@ -41,7 +41,7 @@ test: plugins interop-deps
 
 bench: plugins
 	$(CARGO) build --release --bin sluice --bin sluice-bench
-	./target/release/sluice-bench
+	tests/pg/with-postgres.sh ./target/release/sluice-bench
 
 fmt:
 	$(CARGO) fmt --all

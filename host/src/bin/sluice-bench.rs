@@ -37,6 +37,17 @@ async fn main() -> anyhow::Result<()> {
             store(&registry, &tmp, row_bytes, durability).await?;
         }
     }
+    match std::env::var("SLUICE_TEST_PG_URL") {
+        Ok(url) => {
+            println!("\n## Mock source -> Postgres change DB (synchronous_commit on), 10 rows per transaction");
+            for row_bytes in [100usize, 1024] {
+                store_pg(&registry, &tmp, &url, row_bytes).await?;
+            }
+            pg_ceiling(&tmp, &url)?;
+        }
+        Err(_) => println!("\n(no SLUICE_TEST_PG_URL: Postgres figures skipped; `make bench` starts a server)"),
+    }
+
     println!("\n## Fan-out over WebSockets (sluice process on the mock source, 10 rows of 100 B per transaction)");
     for n in [1usize, 10, 100] {
         fanout(&tmp, n, 0.0).await?;
@@ -254,5 +265,89 @@ async fn store(registry: &Registry, tmp: &Path, row_bytes: usize, durability: Du
         (txs * 10) as f64 / secs,
         bytes >> 20
     );
+    Ok(())
+}
+
+fn pg_settings(url: &str, app_id: &str) -> sluice::storage::postgres::PgSettings {
+    sluice::storage::postgres::PgSettings {
+        url: url.to_string(),
+        app_id: app_id.to_string(),
+        shard_num: 0,
+        task_id: "sluice".into(),
+        statement_timeout: Duration::from_secs(20),
+        application_name: "zero-change-streamer".into(),
+    }
+}
+
+async fn store_pg(registry: &Registry, tmp: &Path, url: &str, row_bytes: usize) -> anyhow::Result<()> {
+    use sluice::storage::postgres::{PostgresChangeLog, PostgresReader};
+    let txs: u64 = if row_bytes > 512 { 10_000 } else { 20_000 };
+    let config = serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": row_bytes}).to_string();
+    let source = registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
+    let settings = pg_settings(url, &format!("bench{row_bytes}"));
+    let rt = tokio::runtime::Handle::current();
+    let log = tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?;
+    let status = Arc::new(Status::default());
+    let hub = sluice::hub::Hub::new(Arc::new(PostgresReader::new(settings, rt)), status.clone());
+    let (stop, stop_rx) = watch::channel(false);
+    let streamer = Streamer::new(Box::new(source), Box::new(log), hub, StreamerOptions::default(), status.clone());
+    let started = Instant::now();
+    let task = tokio::spawn(streamer.run(stop_rx));
+    let last = sluice::watermark::to_lexi(txs as u128);
+    while status.snapshot().last_watermark.as_deref() != Some(last.as_str()) {
+        anyhow::ensure!(!task.is_finished(), "the streamer stopped: {:?}", status.snapshot().source);
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let _ = stop.send(true);
+    task.await??;
+    let _ = tmp;
+    println!(
+        "row {row_bytes:>5} B: {:>8.0} tx/s, {:>9.0} changes/s ({txs} tx in {secs:.2} s)",
+        txs as f64 / secs,
+        (txs * 10) as f64 / secs
+    );
+    Ok(())
+}
+
+/// What Postgres itself allows: the same 100 B rows inserted by psql, 2000
+/// rows per INSERT, 10 INSERTs per commit.
+fn pg_ceiling(tmp: &Path, url: &str) -> anyhow::Result<()> {
+    use std::fmt::Write as _;
+    let file = tmp.join("ceiling.sql");
+    let mut sql = String::from(
+        "DROP TABLE IF EXISTS ceiling; CREATE TABLE ceiling (watermark TEXT, pos INT8, change JSON NOT NULL, precommit TEXT, PRIMARY KEY (watermark, pos));\n",
+    );
+    let payload: String = std::iter::repeat_n('x', 100).collect();
+    let (statements, rows_per) = (100usize, 2000usize);
+    for st in 0..statements {
+        if st % 10 == 0 {
+            sql.push_str("BEGIN;\n");
+        }
+        sql.push_str("INSERT INTO ceiling VALUES ");
+        for r in 0..rows_per {
+            let n = st * rows_per + r;
+            if r > 0 {
+                sql.push(',');
+            }
+            let _ = write!(
+                sql,
+                "('{}',{},'{{\"tag\":\"insert\",\"relation\":{{\"schema\":\"public\",\"name\":\"table0\"}},\"new\":{{\"id\":{n},\"payload\":\"{payload}\"}}}}',NULL)",
+                sluice::watermark::to_lexi(n as u128 / 10 + 1),
+                n % 10
+            );
+        }
+        sql.push_str(";\n");
+        if st % 10 == 9 {
+            sql.push_str("COMMIT;\n");
+        }
+    }
+    std::fs::write(&file, sql)?;
+    let t0 = Instant::now();
+    let out = std::process::Command::new("psql").args(["-q", "-v", "ON_ERROR_STOP=1", url, "-f"]).arg(&file).output()?;
+    let secs = t0.elapsed().as_secs_f64();
+    anyhow::ensure!(out.status.success(), "psql failed: {}", String::from_utf8_lossy(&out.stderr));
+    let rows = statements * rows_per;
+    println!("ceiling: psql inserts {rows} rows of the same shape in {secs:.2} s: {:.0} rows/s", rows as f64 / secs);
     Ok(())
 }
