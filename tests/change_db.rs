@@ -37,12 +37,18 @@ fn pg_spec(dir: &tempfile::TempDir) -> LogSpec {
     LogSpec::with_task(Backend::Postgres, dir.path(), "task-id")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn uses_zeros_schema_and_records_the_owner() {
+/// A streamer as task "task-id" on a fed source, over a fresh Postgres log.
+fn fed_harness() -> (tempfile::TempDir, LogSpec, Feed, Harness) {
     let dir = tempfile::tempdir().unwrap();
     let spec = pg_spec(&dir);
     let feed = Feed::default();
     let h = start(&spec, Box::new(feed.clone()), options());
+    (dir, spec, feed, h)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uses_zeros_schema_and_records_the_owner() {
+    let (_dir, spec, feed, h) = fed_harness();
     feed.tx("09", &[1, 2]);
     stored(&h, "09").await;
     let c = spec.pg_client().await;
@@ -82,10 +88,7 @@ async fn uses_zeros_schema_and_records_the_owner() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_before_a_transaction_stops_the_old_owner_without_writing() {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = pg_spec(&dir);
-    let feed = Feed::default();
-    let h = start(&spec, Box::new(feed.clone()), options());
+    let (_dir, spec, feed, h) = fed_harness();
     feed.tx("0d", &[1]);
     stored(&h, "0d").await;
     let c = spec.pg_client().await;
@@ -114,10 +117,7 @@ async fn a_takeover_before_a_transaction_stops_the_old_owner_without_writing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_waits_for_an_open_transaction() {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = pg_spec(&dir);
-    let feed = Feed::default();
-    let h = start(&spec, Box::new(feed.clone()), options());
+    let (_dir, spec, feed, h) = fed_harness();
     feed.tx("03", &[1]);
     stored(&h, "03").await;
     feed.push(begin("05"));
@@ -152,10 +152,7 @@ async fn a_takeover_waits_for_an_open_transaction() {
 }
 
 async fn stops_cleanly_when(drop_sql: &str) {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = pg_spec(&dir);
-    let feed = Feed::default();
-    let h = start(&spec, Box::new(feed.clone()), options());
+    let (_dir, spec, feed, h) = fed_harness();
     feed.tx("03", &[1]);
     stored(&h, "03").await;
     let c = spec.pg_client().await;
@@ -181,10 +178,7 @@ async fn a_dropped_schema_stops_the_service_cleanly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_deletes_below_the_floor_and_keeps_the_latest_transaction() {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = pg_spec(&dir);
-    let feed = Feed::default();
-    let h = start(&spec, Box::new(feed.clone()), options());
+    let (_dir, spec, feed, h) = fed_harness();
     feed.tx("03", &[1]);
     feed.tx("06", &[2]);
     stored(&h, "06").await;

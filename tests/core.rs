@@ -22,6 +22,7 @@ use sluice::streamer::StreamerOptions;
 const WAIT: Duration = Duration::from_secs(60);
 
 on_both_backends!(
+    large_transactions_and_rollbacks_share_storage_transactions,
     stores_every_transaction_in_order_with_its_content,
     rolled_back_transactions_are_not_stored,
     interrupted_transactions_are_aborted_and_redelivered_once,
@@ -85,6 +86,21 @@ async fn rolled_back_transactions_are_not_stored(backend: Backend) {
     let expected: Vec<String> = (1..=10).filter(|i| i % 3 != 0).map(lexi).collect();
     assert_eq!(spec.committed().await, expected);
     spec.assert_whole().await;
+}
+
+async fn large_transactions_and_rollbacks_share_storage_transactions(backend: Backend) {
+    // Transactions larger than a write batch are written before their commit
+    // (behind a savepoint when they share the storage transaction); every
+    // second one rolls back and must leave nothing behind.
+    let dir = tmp();
+    let spec = LogSpec::new(backend, dir.path());
+    let config = json!({"transactions": 9, "rows_per_tx": 2500, "rollback_every": 2, "row_bytes": 20});
+    let h = start_mock(&spec, config, Limits::default()).await;
+    h.wait_for_watermark(&lexi(9), WAIT).await;
+    h.stop().await.unwrap();
+    assert_eq!(spec.committed().await, [1, 3, 5, 7, 9].map(lexi));
+    spec.assert_whole().await;
+    assert_eq!(spec.rows().await.len(), 2 + 5 * 2502);
 }
 
 async fn survives_fault(backend: Backend, config: serde_json::Value, limits: Limits) {

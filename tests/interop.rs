@@ -28,14 +28,14 @@ fn free_port() -> String {
     l.local_addr().unwrap().to_string()
 }
 
-fn spawn_sluice(db: &Path, addr: &str) -> Child {
+fn spawn_sluice(change_db: &str, addr: &str) -> Child {
     Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["run", "--source", "mock-source", "--listen", addr])
+        .args(["run", "--source", "mock-source", "--listen", addr, "--app-id", "interop"])
         .args(["--source-config", r#"{"transactions": 300, "rows_per_tx": 3, "rate": 150}"#])
         .arg("--plugins")
         .arg(common::plugin_dir())
         .arg("--change-db")
-        .arg(format!("sqlite:{}", db.display()))
+        .arg(change_db)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -45,13 +45,32 @@ fn spawn_sluice(db: &Path, addr: &str) -> Child {
 #[test]
 fn zeros_client_receives_every_transaction_once_across_a_restart() {
     let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("log.db");
+    let db = format!("sqlite:{}", dir.path().join("log.db").display());
     let addr = free_port();
-    let mut sluice = spawn_sluice(&db, &addr);
+    across_a_restart(&db, &addr, &format!("ws://{addr}/"));
+}
+
+/// With a Postgres change DB, Zero's client finds Sluice the way a
+/// view-syncer does: from `replicationState.ownerAddress`.
+#[test]
+fn zeros_client_discovers_sluice_from_the_change_db() {
+    let url = common::pg_url();
+    let addr = free_port();
+    // A fresh schema for this run.
+    let status = Command::new("psql")
+        .args(["-q", "-v", "ON_ERROR_STOP=1", &url, "-c", r#"DROP SCHEMA IF EXISTS "interop_0/cdc" CASCADE"#])
+        .status()
+        .expect("psql is installed");
+    assert!(status.success());
+    across_a_restart(&url, &addr, &url);
+}
+
+fn across_a_restart(change_db: &str, addr: &str, target: &str) {
+    let mut sluice = spawn_sluice(change_db, addr);
 
     let mut node = Command::new("node")
         .arg(interop_dir().join("subscribe.mjs"))
-        .args([&format!("ws://{addr}/"), "00", "300"])
+        .args([target, "00", "300", "interop"])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -82,7 +101,7 @@ fn zeros_client_receives_every_transaction_once_across_a_restart() {
     assert!(summary.is_none(), "the client finished early: {summary:?}");
     sluice.kill().unwrap();
     sluice.wait().unwrap();
-    let mut sluice = spawn_sluice(&db, &addr);
+    let mut sluice = spawn_sluice(change_db, addr);
 
     while summary.is_none() {
         let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the client finishes");

@@ -266,6 +266,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         lag_grace: (args.lag_grace_secs > 0).then(|| Duration::from_secs(args.lag_grace_secs)),
     };
     tokio::spawn(sluice::cleanup::run(hub.clone(), status.clone(), cleanup, stop_rx.clone()));
+    tokio::spawn(log_progress(status.clone(), stop_rx.clone()));
     let options = StreamerOptions {
         storer: StorerOptions { queue_budget: args.queue_budget_mb << 20, ..StorerOptions::default() },
         auto_reset: args.auto_reset,
@@ -288,6 +289,31 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let result = streamer.run(stop_rx).await;
     server.abort();
     result
+}
+
+/// Every 10 s while transactions are being stored, one line of progress.
+async fn log_progress(status: Arc<Status>, mut stop: watch::Receiver<bool>) {
+    let mut last = 0u64;
+    let mut tick = tokio::time::interval(Duration::from_secs(10));
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let s = status.snapshot();
+        if s.transactions > last {
+            tracing::info!(
+                "stored {} transactions ({:.0}/s), {} changes; last watermark {}; {} subscribers",
+                s.transactions,
+                (s.transactions - last) as f64 / 10.0,
+                s.changes,
+                s.last_watermark.as_deref().unwrap_or("-"),
+                s.subscribers
+            );
+            last = s.transactions;
+        }
+    }
 }
 
 async fn wait_for_signal() {

@@ -212,6 +212,19 @@ impl Storer {
     }
 }
 
+/// The upstream transaction the storer is in the middle of.
+struct CurrentTx {
+    watermark: Arc<str>,
+    next_pos: i64,
+    /// Where its rows start in the pending rows.
+    first_row: usize,
+    /// Some of its rows are already written.
+    flushed: bool,
+    /// It sits behind a savepoint (it shares the storage transaction with
+    /// committed upstream transactions and has written rows).
+    savepoint: bool,
+}
+
 /// A row waiting to be inserted. Holds the shared change, so no copy is made.
 struct PendingRow {
     watermark: Arc<str>,
@@ -236,9 +249,8 @@ struct Worker {
     group_changes: u64,
     group_bytes: usize,
     group_last_commit: Option<Arc<str>>,
-    /// The upstream transaction being written: its watermark, next pos,
-    /// whether it sits in a savepoint.
-    current: Option<(Arc<str>, i64, bool)>,
+    /// The upstream transaction being written.
+    current: Option<CurrentTx>,
     rows: Vec<PendingRow>,
     rows_bytes: usize,
 }
@@ -323,35 +335,39 @@ impl Worker {
         match change.kind {
             Kind::Begin => {
                 anyhow::ensure!(self.current.is_none(), "begin {watermark} while a transaction is open");
-                let savepoint = if self.storage_open {
-                    self.log.savepoint()?;
-                    true
-                } else {
+                if !self.storage_open {
                     self.log.begin()?;
                     self.storage_open = true;
-                    false
-                };
-                self.current = Some((watermark.clone(), 1, savepoint));
+                }
+                self.current = Some(CurrentTx {
+                    watermark: watermark.clone(),
+                    next_pos: 1,
+                    first_row: self.rows.len(),
+                    flushed: false,
+                    savepoint: false,
+                });
                 self.push_row(PendingRow { watermark, pos: 0, change, precommit: None });
             }
             Kind::Data => {
-                let Some((tx_watermark, pos, _)) = self.current.as_mut() else {
+                let Some(tx) = self.current.as_mut() else {
                     anyhow::bail!("{} change outside a transaction", change.tag);
                 };
-                let row = PendingRow { watermark: tx_watermark.clone(), pos: *pos, change, precommit: None };
-                *pos += 1;
+                let row = PendingRow { watermark: tx.watermark.clone(), pos: tx.next_pos, change, precommit: None };
+                tx.next_pos += 1;
                 self.push_row(row);
                 if self.rows.len() >= self.options.batch_rows || self.rows_bytes >= self.options.group_bytes {
-                    self.flush_rows()?;
+                    self.flush_open_transaction()?;
                 }
             }
             Kind::Commit => {
-                let Some((tx_watermark, pos, savepoint)) = self.current.take() else {
+                let Some(tx) = self.current.take() else {
                     anyhow::bail!("commit {watermark} outside a transaction");
                 };
-                self.push_row(PendingRow { watermark: watermark.clone(), pos, change, precommit: Some(tx_watermark) });
-                self.flush_rows()?;
-                if savepoint {
+                let pos = tx.next_pos;
+                self.push_row(PendingRow { watermark: watermark.clone(), pos, change, precommit: Some(tx.watermark) });
+                if tx.savepoint {
+                    // Its earlier rows are written; the rest go with the group.
+                    self.flush_rows()?;
                     self.log.release_savepoint()?;
                 }
                 self.group_transactions += 1;
@@ -366,6 +382,28 @@ impl Worker {
             }
             Kind::Rollback => self.abort_current()?,
         }
+        Ok(())
+    }
+
+    /// A large open transaction must write rows before its commit. If the
+    /// storage transaction already holds committed upstream transactions,
+    /// those are written first and this one goes behind a savepoint, so a
+    /// rollback drops only its own rows.
+    fn flush_open_transaction(&mut self) -> anyhow::Result<()> {
+        let Some(tx) = self.current.as_ref() else { return self.flush_rows() };
+        let (first_row, needs_savepoint) = (tx.first_row, !tx.flushed && self.group_transactions > 0);
+        if needs_savepoint {
+            let own = self.rows.split_off(first_row);
+            self.flush_rows()?;
+            self.rows = own;
+            self.rows_bytes = self.rows.iter().map(|r| r.change.stored().len()).sum();
+            self.log.savepoint()?;
+        }
+        self.flush_rows()?;
+        let tx = self.current.as_mut().expect("checked above");
+        tx.savepoint |= needs_savepoint;
+        tx.flushed = true;
+        tx.first_row = 0;
         Ok(())
     }
 
@@ -417,19 +455,22 @@ impl Worker {
 
     /// Drops the upstream transaction being written, if any.
     fn abort_current(&mut self) -> anyhow::Result<()> {
-        let Some((_, _, savepoint)) = self.current.take() else {
-            return Ok(());
-        };
-        self.rows.clear();
-        self.rows_bytes = 0;
-        if savepoint {
+        let Some(tx) = self.current.take() else { return Ok(()) };
+        let dropped: usize = self.rows[tx.first_row..].iter().map(|r| r.change.stored().len()).sum();
+        self.rows.truncate(tx.first_row);
+        self.rows_bytes -= dropped;
+        self.group_bytes = self.group_bytes.saturating_sub(dropped);
+        if tx.savepoint {
             self.log.rollback_to_savepoint()?;
-        } else {
-            // It was the only thing in the storage transaction.
+        } else if tx.flushed {
+            // Nothing committed shares the storage transaction: drop it all.
             self.log.rollback()?;
             self.storage_open = false;
+            self.rows.clear();
+            self.rows_bytes = 0;
             self.reset_group();
         }
+        // Otherwise none of its rows were written: dropping them was enough.
         Ok(())
     }
 
@@ -448,8 +489,11 @@ impl Worker {
                 self.log.rollback()?;
                 self.storage_open = false;
             }
+            self.rows.clear();
+            self.rows_bytes = 0;
             return Ok(());
         };
+        self.flush_rows()?;
         self.log.commit(&last).with_context(|| format!("committing the change log through {last}"))?;
         self.storage_open = false;
         let (txs, changes) = (self.group_transactions as u64, self.group_changes);

@@ -4,7 +4,7 @@
 // downstream schema, big integers intact. Reconnects from the last processed
 // commit when the connection drops.
 //
-// usage: node subscribe.mjs ws://HOST:PORT REPLICA_VERSION TRANSACTIONS
+// usage: node subscribe.mjs TARGET REPLICA_VERSION TRANSACTIONS [APP_ID]
 // Prints progress lines ("commit W") and a final JSON summary line.
 
 const zeroSrc = new URL('./node_modules/@rocicorp/zero/out/zero-cache/src/', import.meta.url);
@@ -13,7 +13,11 @@ const { downstreamSchema } = await import(new URL('services/change-streamer/chan
 const { parse } = await import(new URL('../../shared/src/valita.js', zeroSrc));
 const { LogContext } = await import('@rocicorp/logger');
 
-const [url, replicaVersion, total] = process.argv.slice(2);
+// TARGET is the change streamer's ws:// URL, or a postgres:// change DB URL
+// (with APP_ID) to discover the streamer the way a view-syncer does: from
+// replicationState.ownerAddress.
+const [target, replicaVersion, total, appID = 'zero'] = process.argv.slice(2);
+const discover = target.startsWith('postgres');
 const want = Number(total);
 
 function lexi(n) {
@@ -23,7 +27,9 @@ function lexi(n) {
 
 const lc = new LogContext('error', {});
 // The change DB is only used for discovery, which a fixed URI skips.
-const client = new ChangeStreamerHttpClient(lc, { appID: 'zero', shardNum: 0 }, 'postgres://127.0.0.1:1/unused', url);
+const client = discover
+  ? new ChangeStreamerHttpClient(lc, { appID, shardNum: 0 }, target, undefined)
+  : new ChangeStreamerHttpClient(lc, { appID, shardNum: 0 }, 'postgres://127.0.0.1:1/unused', target);
 
 const commits = [];
 const problems = [];

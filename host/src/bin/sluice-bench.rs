@@ -283,7 +283,8 @@ async fn store_pg(registry: &Registry, tmp: &Path, url: &str, row_bytes: usize) 
     use sluice::storage::postgres::{PostgresChangeLog, PostgresReader};
     let txs: u64 = if row_bytes > 512 { 10_000 } else { 20_000 };
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": row_bytes}).to_string();
-    let source = registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
+    let source =
+        registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
     let settings = pg_settings(url, &format!("bench{row_bytes}"));
     let rt = tokio::runtime::Handle::current();
     let log = tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?;
@@ -344,7 +345,8 @@ fn pg_ceiling(tmp: &Path, url: &str) -> anyhow::Result<()> {
     }
     std::fs::write(&file, sql)?;
     let t0 = Instant::now();
-    let out = std::process::Command::new("psql").args(["-q", "-v", "ON_ERROR_STOP=1", url, "-f"]).arg(&file).output()?;
+    let out =
+        std::process::Command::new("psql").args(["-q", "-v", "ON_ERROR_STOP=1", url, "-f"]).arg(&file).output()?;
     let secs = t0.elapsed().as_secs_f64();
     anyhow::ensure!(out.status.success(), "psql failed: {}", String::from_utf8_lossy(&out.stderr));
     let rows = statements * rows_per;
