@@ -569,3 +569,58 @@ async fn a_killed_host_resumes_at_the_right_watermark() {
     assert_eq!(spec.committed().await, all(400), "every transaction exactly once across the kill");
     spec.assert_whole().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sluice_tail_prints_the_stream_and_stops_after_n_commits() {
+    let dir = tmp();
+    let db = dir.path().join("log.db");
+    let addr = free_port();
+    let mut host = spawn_host(&db, &addr, r#"{"transactions": 20, "rows_per_tx": 2}"#);
+    let a = addr.clone();
+    wait_until("20 transactions stored", WAIT, || {
+        let w = status_watermark(&a);
+        async move { w.as_deref() == Some(lexi(20).as_str()) }
+    })
+    .await;
+    // Defaults come from /status: the server's replica version and earliest watermark.
+    let out = sluice().args(["tail", &format!("ws://{addr}"), "--max-tx", "3"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], "status");
+    assert_eq!(lines[1], "begin  01");
+    assert!(lines[2].starts_with("  insert public.table0 {"), "{}", lines[2]);
+    assert_eq!(lines.iter().filter(|l| l.starts_with("commit")).count(), 3);
+    assert_eq!(*lines.last().unwrap(), "commit 03");
+
+    let out = sluice()
+        .args([
+            "tail",
+            &format!("ws://{addr}"),
+            "--watermark",
+            "0j",
+            "--replica-version",
+            "00",
+            "--max-tx",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], r#"["status",{"tag":"status"}]"#);
+    assert_eq!(lines[1], r#"["begin",{"tag":"begin"},{"commitWatermark":"0k"}]"#);
+    // The raw message, big integers intact.
+    assert!(lines[2].contains(r#""big":1152921504606847014"#), "{}", lines[2]);
+
+    let out = sluice()
+        .args(["tail", &format!("ws://{addr}"), "--watermark", "01", "--replica-version", "zz"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("current replica version is 00 (requested zz)"));
+    host.kill().unwrap();
+    host.wait().unwrap();
+}

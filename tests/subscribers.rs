@@ -22,6 +22,8 @@ use tokio_tungstenite::tungstenite::Message as Ws;
 const WAIT: Duration = Duration::from_secs(30);
 
 on_both_backends!(
+    the_retention_window_holds_the_log_without_subscribers,
+    a_catching_up_subscriber_past_its_backlog_limit_is_closed_and_catches_up_later,
     catches_up_from_the_log_then_continues_live,
     live_rollbacks_reach_subscribers,
     a_subscriber_ahead_of_the_log_gets_only_newer_transactions,
@@ -416,4 +418,58 @@ async fn an_out_of_order_ack_closes_the_stream(backend: Backend) {
     let (code, reason) = Client { ws }.close_reason().await;
     assert_eq!(code, 1011);
     assert_eq!(reason, "Error: Unexpected ack for 1: 5");
+}
+
+async fn the_retention_window_holds_the_log_without_subscribers(backend: Backend) {
+    let s = server(backend).await;
+    for i in 0..10u64 {
+        s.feed.tx(&lexi(i + 2), &[i as i64]);
+    }
+    s.stored(&lexi(11)).await;
+    let keep4 = CleanupOptions { retain_transactions: Some(4), ..CleanupOptions::default() };
+    let (floor, _) = tokio::task::block_in_place(|| purge_once(&s.hub, &keep4)).unwrap();
+    assert_eq!(floor.as_deref(), Some(lexi(8).as_str()));
+    assert_eq!(s.spec.committed().await, (8..=11).map(lexi).collect::<Vec<_>>());
+    // No window and no subscribers: only the newest transaction stays.
+    let (floor, _) = tokio::task::block_in_place(|| purge_once(&s.hub, &CleanupOptions::default())).unwrap();
+    assert_eq!(floor.as_deref(), Some(lexi(11).as_str()));
+    assert_eq!(s.spec.committed().await, [lexi(11)]);
+}
+
+async fn a_catching_up_subscriber_past_its_backlog_limit_is_closed_and_catches_up_later(backend: Backend) {
+    // A tiny backlog: live traffic during catch-up overflows it at once.
+    let limits = sluice::subscriber::Limits { backlog_bytes: 1, ..Default::default() };
+    let s = server_with(backend, limits).await;
+    // A log larger than the catch-up window (4 MiB unconsumed): a subscriber
+    // that does not read yet stays in catch-up while live traffic arrives.
+    for i in 0..6000u64 {
+        s.feed.tx(&lexi(i + 2), &[i as i64; 5]);
+    }
+    let stored_last = lexi(6001);
+    s.stored(&stored_last).await;
+    let mut c = Client::subscribe(&s.addr, "01").await;
+    let st = s.status.clone();
+    wait_until("the subscriber to be registered", WAIT, || {
+        let n = st.snapshot().subscribers;
+        async move { n == 1 }
+    })
+    .await;
+    for i in 0..50u64 {
+        s.feed.tx(&lexi(i + 7000), &[i as i64]);
+    }
+    // It is closed cleanly (no error message) ...
+    let mut got = Vec::new();
+    while let Some(m) = c.next().await {
+        got.push(summary(&m));
+    }
+    assert!(!got.iter().any(|m| m.starts_with("error")), "{got:?}");
+    // ... and a reconnect from what it had catches up from the log.
+    assert!(!got.contains(&format!("commit {}", lexi(7049))), "closed before the live tail");
+    s.stored(&lexi(7049)).await;
+    let from = got.iter().rev().find_map(|m| m.strip_prefix("commit ")).unwrap_or("01").to_string();
+    let mut again = Client::subscribe(&s.addr, &from).await;
+    let mut last = String::new();
+    while last != format!("commit {}", lexi(7049)) {
+        last = summary(&again.next().await.unwrap());
+    }
 }
