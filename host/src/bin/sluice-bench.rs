@@ -24,38 +24,58 @@ async fn main() -> anyhow::Result<()> {
     let tmp = std::env::temp_dir().join(format!("sluice-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
     let registry = Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?;
+    // `sluice-bench [boundary|store|postgres|fanout|catchup ...]`: all by default.
+    let only: Vec<String> = std::env::args().skip(1).collect();
+    let run = |section: &str| only.is_empty() || only.iter().any(|o| o == section);
     println!("# Sluice benchmarks ({} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
 
-    println!("\n## Plugin boundary (mock-source next-batch(512), guest generation included)");
-    for row_bytes in [100usize, 1024] {
-        boundary(&registry, row_bytes).await?;
-    }
-
-    println!("\n## Mock source -> SQLite change log (synchronous=FULL), 10 rows per transaction");
-    for row_bytes in [100usize, 1024] {
-        for durability in [Durability::Full, Durability::Normal] {
-            store(&registry, &tmp, row_bytes, durability).await?;
+    if run("boundary") {
+        println!("\n## Plugin boundary (mock-source next-batch(512), guest generation included)");
+        for row_bytes in [100usize, 1024] {
+            boundary(&registry, row_bytes).await?;
         }
     }
-    match std::env::var("SLUICE_TEST_PG_URL") {
-        Ok(url) => {
-            println!("\n## Mock source -> Postgres change DB (synchronous_commit on), 10 rows per transaction");
-            for row_bytes in [100usize, 1024] {
-                store_pg(&registry, &tmp, &url, row_bytes).await?;
+
+    if run("store") {
+        println!("\n## Mock source -> SQLite change log (synchronous=FULL), 10 rows per transaction");
+        for row_bytes in [100usize, 1024] {
+            for durability in [Durability::Full, Durability::Normal] {
+                store(&registry, &tmp, row_bytes, durability).await?;
             }
-            pg_ceiling(&tmp, &url)?;
         }
-        Err(_) => println!("\n(no SLUICE_TEST_PG_URL: Postgres figures skipped; `make bench` starts a server)"),
     }
-
-    println!("\n## Fan-out over WebSockets (sluice process on the mock source, 10 rows of 100 B per transaction)");
-    for n in [1usize, 10, 100] {
-        fanout(&tmp, n, 0.0).await?;
-        fanout(&tmp, n, 1000.0).await?;
+    let pg_url = std::env::var("SLUICE_TEST_PG_URL").ok();
+    if pg_url.is_none() {
+        println!("\n(no SLUICE_TEST_PG_URL: Postgres figures skipped; `make bench` starts a server)");
     }
-
-    println!("\n## Catch-up: one subscriber replaying the change log");
-    catchup(&registry, &tmp).await?;
+    if let (true, Some(url)) = (run("postgres"), &pg_url) {
+        println!("\n## Mock source -> Postgres change DB (synchronous_commit on), 10 rows per transaction");
+        for row_bytes in [100usize, 1024] {
+            store_pg(&registry, &tmp, url, row_bytes).await?;
+        }
+        pg_ceiling(&tmp, url)?;
+    }
+    if run("fanout") {
+        println!("\n## Fan-out over WebSockets (sluice process on the mock source, 10 rows of 100 B per transaction)");
+        for n in [1usize, 10, 100] {
+            fanout(&tmp, n, 0.0).await?;
+            fanout(&tmp, n, 1000.0).await?;
+        }
+    }
+    if run("catchup") {
+        println!("\n## Catch-up: one subscriber replaying the change log");
+        let db = tmp.join("catchup.db");
+        let sqlite = SqliteChangeLog::open(&db, Durability::Normal)?;
+        catchup(&registry, "SQLite", Box::new(sqlite), Arc::new(sluice::storage::sqlite::SqliteReader::new(&db)))
+            .await?;
+        if let Some(url) = &pg_url {
+            use sluice::storage::postgres::{PostgresChangeLog, PostgresReader};
+            let settings = pg_settings(url, "benchcatchup");
+            let rt = tokio::runtime::Handle::current();
+            let log = tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?;
+            catchup(&registry, "Postgres", Box::new(log), Arc::new(PostgresReader::new(settings, rt))).await?;
+        }
+    }
     let _ = std::fs::remove_dir_all(&tmp);
     Ok(())
 }
@@ -169,15 +189,18 @@ async fn fanout(tmp: &Path, subscribers: usize, rate: f64) -> anyhow::Result<()>
     Ok(())
 }
 
-async fn catchup(registry: &Registry, tmp: &Path) -> anyhow::Result<()> {
+async fn catchup(
+    registry: &Registry,
+    label: &str,
+    log: Box<dyn sluice::storage::ChangeLog>,
+    reader: Arc<dyn sluice::storage::LogReader>,
+) -> anyhow::Result<()> {
     let txs: u64 = 100_000;
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": 100}).to_string();
     let source =
         registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
-    let db = tmp.join("catchup.db");
-    let log = SqliteChangeLog::open(&db, Durability::Normal)?;
     let status = Arc::new(Status::default());
-    let hub = sluice::hub::Hub::new(Arc::new(sluice::storage::sqlite::SqliteReader::new(&db)), status.clone());
+    let hub = sluice::hub::Hub::new(reader, status.clone());
     let (stop, stop_rx) = watch::channel(false);
     let app = sluice::server::AppState {
         hub: hub.clone(),
@@ -187,7 +210,7 @@ async fn catchup(registry: &Registry, tmp: &Path) -> anyhow::Result<()> {
     };
     let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx.clone()).await?;
     tokio::spawn(serve);
-    let streamer = Streamer::new(Box::new(source), Box::new(log), hub, StreamerOptions::default(), status.clone());
+    let streamer = Streamer::new(Box::new(source), log, hub, StreamerOptions::default(), status.clone());
     let task = tokio::spawn(streamer.run(stop_rx));
     let last = sluice::watermark::to_lexi(txs as u128);
     while status.snapshot().last_watermark.as_deref() != Some(last.as_str()) {
@@ -197,7 +220,7 @@ async fn catchup(registry: &Registry, tmp: &Path) -> anyhow::Result<()> {
     let (changes, _) = bench_subscriber(addr.to_string(), 0, last).await?;
     let secs = t0.elapsed().as_secs_f64();
     println!(
-        "replayed {changes} changes ({} messages with begin/commit) in {secs:.2} s: {:.0} changes/s",
+        "{label}: replayed {changes} changes ({} messages with begin/commit) in {secs:.2} s: {:.0} changes/s",
         changes + 2 * txs,
         changes as f64 / secs
     );

@@ -14,7 +14,7 @@ use crate::source::model::{
 pub enum Event {
     /// Part of a transaction (begin, commit, rollback, data or schema change).
     Change(Change),
-    /// A commit watermark carried by begin/commit, kept next to the change.
+    /// A status from the source (acked upstream when `ack`, never stored).
     Status {
         watermark: String,
         ack: bool,

@@ -220,11 +220,12 @@ async fn pump(socket: WebSocket, sub: &Arc<Subscriber>, mut conn: Connection, pi
                             return e;
                         }
                         let Some(front) = in_flight.pop_front() else { continue };
-                        sub.consumed(front.bytes, front.commit.as_ref());
                         if front.last {
+                            // The error message (never counted as pending).
                             let _ = tx.send(normal_close()).await;
                             return "closed after sending an error".into();
                         }
+                        sub.consumed(front.bytes, front.commit.as_ref());
                     }
                     Some(Ok(Message::Binary(_))) => {
                         let e = "Expected string message".to_string();

@@ -20,6 +20,13 @@ use tokio::sync::{mpsc, watch};
 
 use crate::change::{Change, Kind};
 
+/// What one queued message costs this subscriber: its JSON (shared with the
+/// other subscribers, but pinned by this one until consumed) plus the queue
+/// entry and bookkeeping of its own.
+fn queued_cost(json_len: usize) -> usize {
+    json_len + 96
+}
+
 /// Zero's error types for subscribers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -236,7 +243,8 @@ impl Subscriber {
     }
 
     fn push(&self, st: &mut State, json: Arc<str>, commit: Option<Arc<str>>) {
-        let pending = self.pending_bytes.fetch_add(json.len(), Ordering::AcqRel) + json.len();
+        let cost = queued_cost(json.len());
+        let pending = self.pending_bytes.fetch_add(cost, Ordering::AcqRel) + cost;
         self.enqueued.fetch_add(1, Ordering::AcqRel);
         if self.out.send(Frame::Message { json, commit }).is_err() {
             st.closed = true;
@@ -253,8 +261,10 @@ impl Subscriber {
     }
 
     /// Called by the connection when the peer consumed a message.
+    /// `bytes` is the length of the message's JSON.
     pub fn consumed(&self, bytes: usize, commit: Option<&Arc<str>>) {
-        self.pending_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        let cost = queued_cost(bytes);
+        let _ = self.pending_bytes.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| Some(p.saturating_sub(cost)));
         if let Some(w) = commit {
             let mut st = self.lock();
             if **w > *st.acked {
