@@ -238,6 +238,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     task_id: args.task_id.clone(),
                     statement_timeout: Duration::from_millis(args.statement_timeout_ms),
                     application_name: "zero-change-streamer".into(),
+                    synchronous_commit: durability == Durability::Full,
                 };
                 let rt = tokio::runtime::Handle::current();
                 let log = tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?;

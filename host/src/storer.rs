@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, Notify};
 
 use crate::catchup;
 use crate::change::{Change, Kind};
-use crate::status::Status;
+use crate::status::{Stage, Status};
 use crate::storage::{ChangeLog, LogReader, LogRow};
 use crate::subscriber::Subscriber;
 
@@ -447,7 +447,9 @@ impl Worker {
                 precommit: r.precommit.as_deref(),
             })
             .collect();
+        let t = std::time::Instant::now();
         self.log.append(&rows)?;
+        self.status.count(Stage::Write, t);
         self.rows.clear();
         self.rows_bytes = 0;
         Ok(())
@@ -494,7 +496,9 @@ impl Worker {
             return Ok(());
         };
         self.flush_rows()?;
+        let t = std::time::Instant::now();
         self.log.commit(&last).with_context(|| format!("committing the change log through {last}"))?;
+        self.status.count(Stage::Commit, t);
         self.storage_open = false;
         let (txs, changes) = (self.group_transactions as u64, self.group_changes);
         self.reset_group();

@@ -115,6 +115,7 @@ impl LogSpec {
                 url: pg_url(),
                 // Per test, so a test can find (and cut) its own connections.
                 application_name: format!("sluice-test-{app_id}"),
+                synchronous_commit: true,
                 app_id,
                 shard_num: 0,
                 task_id: task_id.to_string(),

@@ -35,6 +35,10 @@ pub struct PgSettings {
     pub statement_timeout: Duration,
     /// Zero's change-streamer connects as `zero-change-streamer`.
     pub application_name: String,
+    /// `synchronous_commit` for this host's sessions: on (durable at commit,
+    /// the default) or off (`--sync normal`: a server crash may lose the last
+    /// commits, never corrupt the log).
+    pub synchronous_commit: bool,
 }
 
 impl PgSettings {
@@ -58,9 +62,13 @@ impl PgSettings {
             }
         });
         client
-            .batch_execute(&format!("SET statement_timeout = {}", self.statement_timeout.as_millis()))
+            .batch_execute(&format!(
+                "SET statement_timeout = {}; SET synchronous_commit = {}",
+                self.statement_timeout.as_millis(),
+                if self.synchronous_commit { "on" } else { "off" }
+            ))
             .await
-            .context("setting statement_timeout")?;
+            .context("setting statement_timeout and synchronous_commit")?;
         Ok(client)
     }
 }

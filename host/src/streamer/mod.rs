@@ -18,7 +18,7 @@ use crate::forwarder;
 use crate::hub::Hub;
 use crate::source::model::{Control, Message};
 use crate::source::{ChangeSource, ChangeStream, SourceError};
-use crate::status::{SourceState, Status};
+use crate::status::{SourceState, Stage, Status};
 use crate::storage::ChangeLog;
 use crate::storer::{Storer, StorerOptions};
 use acker::UpstreamAcker;
@@ -312,12 +312,14 @@ impl Streamer {
                     return e.into();
                 }
             }
+            let pulled = std::time::Instant::now();
             let batch = tokio::select! {
                 biased;
                 _ = shutdown.changed() => return PassEnd::Shutdown,
                 _ = storer.finished() => return PassEnd::Retry("the change log writer stopped".into()),
                 batch = stream.next_batch(self.options.batch_max) => batch,
             };
+            self.status.count(Stage::Source, pulled);
             let batch = match batch {
                 Ok(b) => b,
                 Err(e) => return e.into(),
@@ -337,11 +339,13 @@ impl Streamer {
                 continue;
             }
             idle = Duration::from_millis(1);
+            let mut started = std::time::Instant::now();
             for msg in batch {
                 if let Err(end) = self.process(msg, &mut encoder, storer, state, &mut acks) {
                     return end;
                 }
                 if state.unflushed_bytes >= self.options.flow_control_bytes {
+                    self.status.count(Stage::Loop, started);
                     // Let subscribers consume before sending more (Zero's
                     // forwardWithFlowControl); a source failure or shutdown
                     // ends the wait.
@@ -352,8 +356,10 @@ impl Streamer {
                         _ = storer.finished() => return PassEnd::Retry("the change log writer stopped".into()),
                         _ = shutdown.changed() => return PassEnd::Shutdown,
                     }
+                    started = std::time::Instant::now();
                 }
             }
+            self.status.count(Stage::Loop, started);
             if storer.queued_bytes() > self.options.storer.queue_budget {
                 // Back-pressure, with Zero's watchdog for a wedged change log.
                 let mut seen = storer.progress();
