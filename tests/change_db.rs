@@ -289,3 +289,46 @@ async fn a_wedged_change_db_stops_the_service() {
     assert!(err.contains("Considering the change-log to be wedged") || err.contains("did not drain"), "{err}");
     c.batch_execute("ROLLBACK").await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_never_run_ahead_of_the_durable_log() {
+    let (_dir, spec, feed, h) = fed_harness();
+    feed.tx("03", &[1]);
+    stored(&h, "03").await;
+    let acks = feed.acks.clone();
+    wait_until("the ack of 03", WAIT, || {
+        let a = acks.lock().unwrap().clone();
+        async move { a.last().map(String::as_str) == Some("03") }
+    })
+    .await;
+    // Block the change log: transactions are forwarded but cannot be stored.
+    let c = spec.pg_client().await;
+    c.batch_execute("BEGIN").await.unwrap();
+    c.batch_execute(&format!(r#"LOCK TABLE {}."changeLog" IN ACCESS EXCLUSIVE MODE"#, spec.schema())).await.unwrap();
+    for i in 0..20 {
+        feed.tx(&lexi(10 + i), &[i as i64]);
+    }
+    // Every message has been taken from the source ...
+    let items = feed.items.clone();
+    wait_until("the source to be drained", WAIT, || {
+        let empty = items.lock().unwrap().is_empty();
+        async move { empty }
+    })
+    .await;
+    // ... and still nothing past 03 is acked, because nothing is durable.
+    assert_eq!(feed.acks.lock().unwrap().last().map(String::as_str), Some("03"));
+    c.batch_execute("ROLLBACK").await.unwrap();
+    let last = lexi(29);
+    wait_until("the ack of the last transaction", WAIT, || {
+        let a = acks.lock().unwrap().clone();
+        let last = last.clone();
+        async move { a.last() == Some(&last) }
+    })
+    .await;
+    // Each ack names a transaction the log holds, in order.
+    let logged = spec.committed().await;
+    let acked = feed.acks.lock().unwrap().clone();
+    assert!(acked.windows(2).all(|w| w[0] < w[1]), "{acked:?}");
+    assert!(acked.iter().all(|a| logged.contains(a)), "{acked:?} vs {logged:?}");
+    h.stop().await.unwrap();
+}

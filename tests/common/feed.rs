@@ -15,6 +15,8 @@ use sluice::source::{ChangeSource, ChangeStream, SourceError};
 pub struct Feed {
     pub items: Arc<Mutex<VecDeque<Option<Message>>>>,
     pub opens: Arc<Mutex<Vec<Option<String>>>>,
+    /// Every watermark the host acked, in order.
+    pub acks: Arc<Mutex<Vec<String>>>,
 }
 
 impl Feed {
@@ -64,7 +66,8 @@ impl ChangeStream for FeedStream {
             }
         }
     }
-    async fn ack(&mut self, _watermark: &str) -> Result<(), SourceError> {
+    async fn ack(&mut self, watermark: &str) -> Result<(), SourceError> {
+        self.0.acks.lock().unwrap().push(watermark.to_string());
         Ok(())
     }
 }
