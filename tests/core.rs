@@ -461,35 +461,25 @@ fn bad_source_config_and_unknown_source_exit_with_a_clear_error() {
     let dir = tmp();
     let db = format!("sqlite:{}", dir.path().join("log.db").display());
     let plugins = plugin_dir();
-    let out = sluice()
-        .args([
-            "run",
-            "--source",
-            "mock-source",
-            "--source-config",
-            "{not json",
-            "--change-db",
-            &db,
-            "--listen",
-            "127.0.0.1:0",
-        ])
-        .arg("--plugins")
-        .arg(&plugins)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("error: --source-config is not valid JSON"), "{err}");
-
-    let out = sluice()
-        .args(["run", "--source", "nope", "--change-db", &db, "--listen", "127.0.0.1:0"])
-        .arg("--plugins")
-        .arg(&plugins)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("unknown source \"nope\""), "{err}");
+    // `sluice run` with these arguments must fail, saying `expected` on stderr.
+    let fails_with = |args: &[&str], expected: &str| {
+        let out = sluice()
+            .arg("run")
+            .args(args)
+            .args(["--change-db", &db, "--listen", "127.0.0.1:0"])
+            .arg("--plugins")
+            .arg(&plugins)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{args:?}: {err}");
+    };
+    fails_with(
+        &["--source", "mock-source", "--source-config", "{not json"],
+        "error: --source-config is not valid JSON",
+    );
+    fails_with(&["--source", "nope"], "unknown source \"nope\"");
 
     let out = sluice().arg("plugins").arg("--plugins").arg(&plugins).output().unwrap();
     assert!(out.status.success());
