@@ -60,7 +60,12 @@ async fn main() -> anyhow::Result<()> {
     }
     if run("fanout") {
         println!("\n## Fan-out over WebSockets (sluice process on the mock source, 10 rows of 100 B per transaction)");
-        for n in [1usize, 10, 100] {
+        // SLUICE_BENCH_SUBSCRIBERS=1,10 limits the subscriber counts.
+        let counts: Vec<usize> = std::env::var("SLUICE_BENCH_SUBSCRIBERS")
+            .ok()
+            .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect())
+            .unwrap_or_else(|| vec![1, 10, 100]);
+        for n in counts {
             fanout(&tmp, n, 0.0).await?;
             if n <= 10 {
                 // 1,000 changes/s: the latency target.
