@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use crate::change::Change;
-use crate::storage::LogSnapshot;
+use crate::storage::{LogReader, LogSnapshot};
 use crate::subscriber::{Entry, ErrorType, Subscriber};
 
 /// Rows per read.
@@ -15,8 +15,20 @@ pub const BATCH_ROWS: usize = 2000;
 /// Read the next batch once fewer bytes than this are unconsumed.
 const WINDOW_BYTES: usize = 4 << 20;
 
+/// Pins a snapshot of the log now (blocking) and catches `sub` up from it; if
+/// the log cannot be read, the subscriber is closed cleanly and retries.
+pub fn pin_and_start(reader: &dyn LogReader, sub: Arc<Subscriber>, replica_version: String) {
+    match reader.snapshot() {
+        Ok(snapshot) => start(snapshot, sub, replica_version),
+        Err(e) => {
+            tracing::warn!(subscriber = %sub.id, "cannot read the change log for catch-up: {e:#}");
+            sub.close(None);
+        }
+    }
+}
+
 /// Starts catching `sub` up from `snapshot` on the runtime.
-pub fn start(snapshot: Box<dyn LogSnapshot>, sub: Arc<Subscriber>, replica_version: String) {
+fn start(snapshot: Box<dyn LogSnapshot>, sub: Arc<Subscriber>, replica_version: String) {
     tokio::spawn(async move {
         if let Err(e) = run(snapshot, sub.clone(), replica_version).await {
             tracing::warn!(subscriber = %sub.id, "catch-up failed: {e:#}");

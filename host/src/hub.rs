@@ -74,10 +74,6 @@ impl Hub {
         }
     }
 
-    pub fn replica_version(&self) -> Option<String> {
-        self.lock().replica_version.clone()
-    }
-
     pub fn storer_started(&self, queue: CatchupQueue) {
         self.lock().storer = StorerSlot::Running(queue);
     }
@@ -99,13 +95,7 @@ impl Hub {
 
     fn start_direct_catchup(&self, sub: Arc<Subscriber>, rv: String) {
         // Readers block (a Postgres reader drives its own connection).
-        match tokio::task::block_in_place(|| self.reader.snapshot()) {
-            Ok(snapshot) => catchup::start(snapshot, sub, rv),
-            Err(e) => {
-                tracing::warn!(subscriber = %sub.id, "cannot read the change log for catch-up: {e:#}");
-                sub.close(None);
-            }
-        }
+        tokio::task::block_in_place(|| catchup::pin_and_start(self.reader.as_ref(), sub, rv));
     }
 
     /// Stores and forwards one change, in lock step with subscriptions.
@@ -169,10 +159,6 @@ impl Hub {
 
     pub fn broadcast_targets(&self) -> Vec<(Arc<Subscriber>, u64)> {
         self.lock().forwarder.broadcast_targets()
-    }
-
-    pub fn has_subscribers(&self) -> bool {
-        !self.lock().forwarder.is_empty()
     }
 
     /// The lowest ack among connected subscribers, if any are connected.

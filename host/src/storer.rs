@@ -415,13 +415,7 @@ impl Worker {
             self.commit_group()?;
         }
         for (sub, rv) in self.catchups.drain(..) {
-            match self.reader.snapshot() {
-                Ok(snapshot) => catchup::start(snapshot, sub, rv),
-                Err(e) => {
-                    tracing::warn!(subscriber = %sub.id, "cannot read the change log for catch-up: {e:#}");
-                    sub.close(None);
-                }
-            }
+            catchup::pin_and_start(self.reader.as_ref(), sub, rv);
         }
         Ok(())
     }

@@ -54,8 +54,8 @@ pub struct Bounds {
     pub last_watermark: String,
 }
 
-/// How much the writer may keep in one storage transaction. Fixed per
-/// backend so both behave alike.
+/// Rows per multi-row INSERT statement in the SQLite log (its limit on bound
+/// parameters keeps statements modest; the storer's batches are larger).
 pub const BATCH_ROWS: usize = 256;
 
 pub trait ChangeLog: Send {

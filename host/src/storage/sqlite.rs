@@ -25,7 +25,6 @@ pub enum Durability {
 
 pub struct SqliteChangeLog {
     conn: Connection,
-    path: PathBuf,
 }
 
 impl SqliteChangeLog {
@@ -70,11 +69,7 @@ impl SqliteChangeLog {
             "#,
         )
         .context("creating change-log tables")?;
-        Ok(SqliteChangeLog { conn, path: path.to_path_buf() })
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
+        Ok(SqliteChangeLog { conn })
     }
 
     fn insert_statement(n: usize) -> String {

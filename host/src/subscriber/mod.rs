@@ -160,16 +160,8 @@ impl Subscriber {
         self.lock().acked.clone()
     }
 
-    pub fn watermark(&self) -> Arc<str> {
-        self.lock().watermark.clone()
-    }
-
     pub fn is_closed(&self) -> bool {
         self.lock().closed
-    }
-
-    pub fn is_catching_up(&self) -> bool {
-        self.lock().backlog.is_some()
     }
 
     /// A live change from the forwarder.
