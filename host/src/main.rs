@@ -13,6 +13,8 @@ use sluice::cleanup::CleanupOptions;
 use sluice::hub::Hub;
 use sluice::plugin::{Limits, NetGrant, Registry};
 use sluice::server::AppState;
+use sluice::source::postgres::PostgresSource;
+use sluice::source::ChangeSource;
 use sluice::status::Status;
 use sluice::storage::postgres::{PgSettings, PostgresChangeLog, PostgresReader};
 use sluice::storage::sqlite::{Durability, SqliteChangeLog, SqliteReader};
@@ -216,7 +218,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let cache_dir = args.cache_dir.clone().unwrap_or_else(|| data_dir.join(".cache"));
     let registry = Registry::load(&args.plugins, Some(cache_dir)).await?;
-    let source = registry.source(&args.source, config, limits, net).map_err(anyhow::Error::msg)?;
+    let source: Box<dyn ChangeSource> = if args.source == "postgres" {
+        Box::new(PostgresSource::new(&config).map_err(anyhow::Error::msg)?)
+    } else {
+        Box::new(registry.source(&args.source, config, limits, net).map_err(anyhow::Error::msg)?)
+    };
     anyhow::ensure!(
         !args.app_id.is_empty()
             && args.app_id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
@@ -286,7 +292,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         tracing::info!("shutting down");
         let _ = stop_tx.send(true);
     });
-    let streamer = Streamer::new(Box::new(source), log, hub, options, status);
+    let streamer = Streamer::new(source, log, hub, options, status);
     let result = streamer.run(stop_rx).await;
     server.abort();
     result

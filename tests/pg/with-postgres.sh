@@ -53,8 +53,14 @@ trap stop EXIT
 
 "${RUN[@]}" "$BINDIR/initdb" -D "$DIR/data" -U postgres -A trust -E UTF8 --no-sync >"$DIR/initdb.log" 2>&1 ||
   { cat "$DIR/initdb.log" >&2; exit 1; }
+# A password (SCRAM) user for the tests of authentication; everyone else is trusted.
+{
+  echo "host all sluice_scram 127.0.0.1/32 scram-sha-256"
+  echo "host replication sluice_scram 127.0.0.1/32 scram-sha-256"
+  cat "$DIR/data/pg_hba.conf"
+} >"$DIR/pg_hba.conf" && cat "$DIR/pg_hba.conf" >"$DIR/data/pg_hba.conf" && rm "$DIR/pg_hba.conf"
 "${RUN[@]}" "$BINDIR/pg_ctl" -D "$DIR/data" -l "$DIR/server.log" -w -t 60 \
-  -o "-p $PORT -k $DIR -c listen_addresses=127.0.0.1 -c wal_level=logical -c max_connections=300 -c max_wal_senders=20 -c max_replication_slots=20" \
+  -o "-p $PORT -k $DIR -c listen_addresses=127.0.0.1 -c wal_level=logical -c max_connections=300 -c max_wal_senders=20 -c max_replication_slots=20 -c logical_decoding_work_mem=64kB" \
   start >/dev/null || { cat "$DIR/server.log" >&2; exit 1; }
 
 export SLUICE_TEST_PG_URL="postgres://postgres@127.0.0.1:$PORT/postgres"

@@ -6,6 +6,8 @@
 
 use async_trait::async_trait;
 
+pub mod postgres;
+
 /// The change model from the WIT contract.
 pub use crate::plugin::bindings::sluice::plugin::types as model;
 

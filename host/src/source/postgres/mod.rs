@@ -1,0 +1,146 @@
+//! The built-in Postgres source: logical replication with pgoutput.
+//!
+//! * [`setup`]: checks the server, creates the publication, the slot and
+//!   Sluice's bookkeeping (schema `_sluice`) and the DDL event trigger.
+//! * [`snapshot`]: the first transaction of a new slot, copied at the slot's
+//!   exported snapshot.
+//! * [`stream`]: `START_REPLICATION`, decoding, acks and keepalives.
+//! * [`wire`], [`pgoutput`], [`values`], [`schema`]: the protocol pieces.
+
+pub mod pgoutput;
+pub mod schema;
+pub mod setup;
+pub mod snapshot;
+pub mod stream;
+pub mod values;
+pub mod wire;
+
+use std::str::FromStr;
+
+use async_trait::async_trait;
+use serde::Deserialize;
+
+use crate::source::{ChangeSource, ChangeStream, SourceError};
+
+/// `--source-config` of `--source postgres`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PostgresSourceConfig {
+    /// postgres://user:password@host:port/database
+    pub url: String,
+    /// Publications to replicate. Empty: Sluice creates and uses
+    /// `_sluice_public_<slot>`, all tables of schema `public`.
+    #[serde(default)]
+    pub publications: Vec<String>,
+    /// The replication slot's name (also keys Sluice's bookkeeping).
+    #[serde(default = "default_slot")]
+    pub slot: String,
+    /// Rows per batch when copying the initial snapshot.
+    #[serde(default = "default_snapshot_batch_rows")]
+    pub snapshot_batch_rows: u32,
+}
+
+fn default_slot() -> String {
+    "sluice".into()
+}
+
+fn default_snapshot_batch_rows() -> u32 {
+    5000
+}
+
+/// Zero's rule for publication names.
+fn valid_identifier(name: &str) -> bool {
+    let mut chars = name.chars();
+    name.len() <= 63
+        && chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+impl PostgresSourceConfig {
+    pub fn parse(json: &str) -> Result<Self, String> {
+        let config: PostgresSourceConfig =
+            serde_json::from_str(json).map_err(|e| format!("postgres source config: {e}"))?;
+        if !config.slot.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+            || config.slot.is_empty()
+            || config.slot.len() > 40
+        {
+            return Err(format!(
+                "postgres source config: slot {:?}: use 1 to 40 lower-case letters, digits and _",
+                config.slot
+            ));
+        }
+        for p in &config.publications {
+            if !valid_identifier(p) || p.starts_with('_') {
+                return Err(format!(
+                    "postgres source config: publication {p:?}: use letters, digits and _ (not first), at most 63"
+                ));
+            }
+        }
+        if config.snapshot_batch_rows == 0 {
+            return Err("postgres source config: snapshot_batch_rows must be at least 1".into());
+        }
+        Ok(config)
+    }
+
+    /// The publications the slot streams.
+    pub fn publication_names(&self) -> Vec<String> {
+        if self.publications.is_empty() {
+            vec![format!("_sluice_public_{}", self.slot)]
+        } else {
+            let mut p = self.publications.clone();
+            p.sort();
+            p.dedup();
+            p
+        }
+    }
+}
+
+pub struct PostgresSource {
+    config: PostgresSourceConfig,
+    pg: tokio_postgres::Config,
+    warned_degraded: bool,
+}
+
+impl PostgresSource {
+    pub fn new(config_json: &str) -> Result<Self, String> {
+        let config = PostgresSourceConfig::parse(config_json)?;
+        let pg =
+            tokio_postgres::Config::from_str(&config.url).map_err(|e| format!("postgres source config: url: {e}"))?;
+        Ok(PostgresSource { config, pg, warned_degraded: false })
+    }
+}
+
+#[async_trait]
+impl ChangeSource for PostgresSource {
+    fn name(&self) -> &str {
+        "postgres"
+    }
+
+    async fn open(&mut self, resume_after: Option<&str>) -> Result<Box<dyn ChangeStream>, SourceError> {
+        let upstream = setup::Upstream::connect(&self.pg, &self.config).await?;
+        if !upstream.ddl_detection && !self.warned_degraded {
+            self.warned_degraded = true;
+            tracing::warn!(
+                "cannot install the DDL event trigger (it needs a superuser): schema changes are detected from \
+                 relation messages, and those that cannot be followed require a reset"
+            );
+        }
+        if let Some(watermark) = resume_after {
+            match upstream.existing_slot().await? {
+                // The snapshot never made it into the change log: take a new one.
+                setup::SlotState::Usable { replica_version } if replica_version == watermark => {}
+                setup::SlotState::Usable { replica_version } => {
+                    let start = stream::resume_lsn(watermark).ok_or_else(|| {
+                        SourceError::Fatal(format!("resume watermark {watermark} is not a Postgres position"))
+                    })?;
+                    return stream::ReplicationStream::start(upstream, &self.pg, replica_version, start).await;
+                }
+                setup::SlotState::Lost { replica_version, reason } => {
+                    return Ok(Box::new(stream::LostStream::new(replica_version, reason)));
+                }
+            }
+        }
+        let created = upstream.create_slot(&self.pg).await?;
+        Ok(Box::new(snapshot::SnapshotStream::start(upstream, created, &self.pg, &self.config).await?))
+    }
+}
