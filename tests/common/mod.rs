@@ -2,6 +2,8 @@
 #![allow(dead_code)]
 
 pub mod feed;
+pub mod pgserver;
+pub mod ws;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};

@@ -10,10 +10,6 @@
 # (a superuser URL, e.g. postgres://postgres@127.0.0.1:5432/postgres).
 set -euo pipefail
 
-if [ -n "${SLUICE_TEST_PG_URL:-}" ]; then
-  exec "$@"
-fi
-
 find_bindir() {
   local d
   d=$(pg_config --bindir 2>/dev/null || true)
@@ -23,6 +19,11 @@ find_bindir() {
 }
 
 BINDIR=$(find_bindir)
+if [ -n "${SLUICE_TEST_PG_URL:-}" ]; then
+  # Tests that need a private server of their own start it from these binaries.
+  export SLUICE_TEST_PG_BINDIR="${SLUICE_TEST_PG_BINDIR:-$BINDIR}"
+  exec "$@"
+fi
 if [ -z "$BINDIR" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "with-postgres: installing the PostgreSQL server (apt-get install postgresql)" >&2
   apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
@@ -64,5 +65,6 @@ trap stop EXIT
   start >/dev/null || { cat "$DIR/server.log" >&2; exit 1; }
 
 export SLUICE_TEST_PG_URL="postgres://postgres@127.0.0.1:$PORT/postgres"
+export SLUICE_TEST_PG_BINDIR="$BINDIR"
 echo "with-postgres: PostgreSQL $("$BINDIR/postgres" --version | awk '{print $3}') at $SLUICE_TEST_PG_URL" >&2
 "$@"

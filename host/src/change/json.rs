@@ -67,7 +67,10 @@ pub fn push_u64(out: &mut String, v: u64) {
 /// Finite floats as JSON numbers; NaN and the infinities, which JSON cannot
 /// express, as the strings Postgres uses for them.
 pub fn push_f64(out: &mut String, v: f64) {
-    if v.is_finite() {
+    if v.is_finite() && v.fract() == 0.0 && v.abs() < 9_007_199_254_740_992.0 {
+        // Whole numbers as JSON.stringify writes them (1000, not 1000.0).
+        out.push_str(itoa::Buffer::new().format(v as i64));
+    } else if v.is_finite() {
         out.push_str(ryu::Buffer::new().format_finite(v));
     } else if v.is_nan() {
         out.push_str("\"NaN\"");

@@ -261,7 +261,12 @@ pub fn diff(prev: &Schema, cur: &Schema, tag: &str) -> Result<Vec<SchemaChange>,
     let mut out = Vec::new();
 
     // An index whose definition or name changed is dropped and re-created.
-    let changed_index = |i: &IndexInfo| cur_indexes.get(&i.oid).is_none_or(|c| **c != *i);
+    // Renaming its table is not a change: the replica renames the table
+    // with its indexes.
+    let same_index = |a: &IndexInfo, b: &IndexInfo| {
+        IndexInfo { table_name: String::new(), ..a.clone() } == IndexInfo { table_name: String::new(), ..b.clone() }
+    };
+    let changed_index = |i: &IndexInfo| cur_indexes.get(&i.oid).is_none_or(|c| !same_index(c, i));
     for i in prev.indexes.iter().filter(|i| changed_index(i)) {
         // Dropping a table drops its indexes; say so only for kept tables.
         if cur_tables.contains_key(&i.table_oid) {
@@ -286,7 +291,7 @@ pub fn diff(prev: &Schema, cur: &Schema, tag: &str) -> Result<Vec<SchemaChange>,
         out.push(SchemaChange::CreateTable(CreateTable { spec: t.spec(), metadata: None }));
     }
     for i in cur.indexes.iter() {
-        if prev_indexes.get(&i.oid).is_none_or(|p| **p != *i) {
+        if prev_indexes.get(&i.oid).is_none_or(|p| !same_index(p, i)) {
             out.push(SchemaChange::CreateIndex(i.spec()));
         }
     }

@@ -119,7 +119,15 @@ impl Upstream {
                         "CREATE PUBLICATION \"{name}\" FOR TABLES IN SCHEMA public WITH (publish_via_partition_root = true)"
                     ))
                     .await
-                    .map_err(|e| pg_error(&format!("creating publication {name}"), e))?;
+                    .map_err(|e| {
+                        pg_error(
+                            &format!(
+                                "creating publication {name} (without superuser rights, create a publication \
+                                 FOR TABLE ... yourself and list it in \"publications\")"
+                            ),
+                            e,
+                        )
+                    })?;
                 tracing::info!("created publication {name} for all tables of schema public");
             }
         }
