@@ -736,6 +736,16 @@ async fn set_up_errors_are_clear() {
     let err = sluice::source::ChangeSource::open(&mut source, None).await.err().unwrap().to_string();
     assert!(err.contains("publication nope does not exist"), "{err}");
 
+    // A row filter: the snapshot could not match the stream.
+    up.exec(
+        "CREATE TABLE filtered (id int PRIMARY KEY); CREATE PUBLICATION filtered_pub FOR TABLE filtered WHERE (id > 5)",
+    )
+    .await;
+    let config = json!({ "url": up.url, "slot": "pgsrc_setup", "publications": ["filtered_pub"] }).to_string();
+    let mut source = PostgresSource::new(&config).unwrap();
+    let err = sluice::source::ChangeSource::open(&mut source, None).await.err().unwrap().to_string();
+    assert!(err.contains("filtered_pub publishes public.filtered with a row filter"), "{err}");
+
     // Bad configuration never reaches the server.
     for (config, expected) in [
         (json!({ "url": up.url, "slot": "Bad-Slot" }), "slot \"Bad-Slot\""),

@@ -153,6 +153,7 @@ impl Upstream {
                 Some(_) => {}
             }
         }
+        check_published_tables(&client, &publications).await?;
         let ddl_detection = match client.batch_execute(schema::TRIGGER_SQL).await {
             Ok(()) => true,
             Err(e) if e.code().map(|c| c.code()) == Some("42501") => false,
@@ -308,4 +309,41 @@ pub async fn read_schema(client: &tokio_postgres::Client) -> Result<Schema, Sour
     let row =
         client.query_one(schema::SPECS_SQL, &[]).await.map_err(|e| pg_error("reading the published schema", e))?;
     Schema::parse(row.get::<_, &str>(0)).map_err(SourceError::Transient)
+}
+
+/// Refuses what the snapshot cannot reproduce (row filters, column lists),
+/// and warns about tables whose updates and deletes the server will reject.
+async fn check_published_tables(client: &tokio_postgres::Client, publications: &[String]) -> Result<(), SourceError> {
+    let rows = client
+        .query(
+            "SELECT pt.pubname::text, pt.schemaname || '.' || pt.tablename, pt.rowfilter IS NOT NULL,
+                    cardinality(pt.attnames) < (SELECT count(*) FROM pg_attribute a
+                                                WHERE a.attrelid = c.oid AND a.attnum > 0
+                                                  AND NOT a.attisdropped AND a.attgenerated = ''),
+                    c.relreplident = 'n' OR (c.relreplident = 'd' AND NOT EXISTS
+                      (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary))
+             FROM pg_publication_tables pt
+             JOIN pg_namespace n ON n.nspname = pt.schemaname
+             JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename
+             WHERE pt.pubname = ANY($1)",
+            &[&publications],
+        )
+        .await
+        .map_err(|e| pg_error("reading the published tables", e))?;
+    for r in &rows {
+        let (publication, table): (String, String) = (r.get(0), r.get(1));
+        if r.get::<_, bool>(2) || r.get::<_, bool>(3) {
+            return Err(SourceError::Fatal(format!(
+                "publication {publication} publishes {table} with a row filter or a column list, which Sluice does \
+                 not support (the snapshot would not match the stream)"
+            )));
+        }
+        if r.get::<_, bool>(4) {
+            tracing::warn!(
+                "{table} has no primary key and no replica identity: the server rejects its updates and deletes \
+                 while it is published (add a primary key, or ALTER TABLE {table} REPLICA IDENTITY FULL)"
+            );
+        }
+    }
+    Ok(())
 }

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use tokio::sync::{mpsc, watch};
@@ -105,6 +105,10 @@ impl ReplicationStream {
                 _ => Err(SourceError::Transient(text)),
             };
         }
+        // Zero's inbound watchdog: twice the server's keepalive timeout with
+        // nothing received means the connection is dead, even if TCP has not
+        // noticed.
+        let silence_limit = wal_sender_timeout(&upstream.client).await.map(|t| t * 2);
         let baseline = if upstream.ddl_detection {
             None
         } else {
@@ -116,7 +120,7 @@ impl ReplicationStream {
         let (acks, acked) = watch::channel(start.saturating_sub(1));
         let failure = Arc::new(Mutex::new(None));
         let decoder = Decoder::new(upstream, baseline);
-        let task = tokio::spawn(run(connection, decoder, tx, acked, start, failure.clone()));
+        let task = tokio::spawn(run(connection, decoder, tx, acked, start, silence_limit, failure.clone()));
         Ok(Box::new(ReplicationStream { replica_version, rx, acks, failure, task }))
     }
 }
@@ -160,13 +164,23 @@ async fn run(
     tx: mpsc::Sender<Vec<Message>>,
     mut acked: watch::Receiver<u64>,
     start: u64,
+    silence_limit: Option<Duration>,
     failure: Arc<Mutex<Option<SourceError>>>,
 ) {
     let mut feedback = Feedback { received: start, flushed: *acked.borrow() };
     let result: Result<(), SourceError> = async {
         let mut ticker = tokio::time::interval(STATUS_INTERVAL);
         let mut out: Vec<Message> = Vec::new();
+        let mut heard = Instant::now();
         loop {
+            if let Some(limit) = silence_limit {
+                if heard.elapsed() > limit {
+                    return Err(SourceError::Transient(format!(
+                        "replication stream: nothing received from the server for {} s",
+                        limit.as_secs()
+                    )));
+                }
+            }
             // Decode everything already read.
             while let Some(frame) = conn.try_frame().map_err(lost)? {
                 match frame.tag {
@@ -199,7 +213,10 @@ async fn run(
                 continue;
             }
             tokio::select! {
-                read = conn.fill() => read.map_err(lost)?,
+                read = conn.fill() => {
+                    read.map_err(lost)?;
+                    heard = Instant::now();
+                }
                 _ = ticker.tick() => feedback.send(&mut conn, false).await?,
                 changed = acked.changed() => {
                     if changed.is_err() {
@@ -603,6 +620,15 @@ impl ChangeStream for LostStream {
 
     async fn ack(&mut self, _watermark: &str) -> Result<(), SourceError> {
         Ok(())
+    }
+}
+
+/// The server's `wal_sender_timeout`, or `None` when it is disabled.
+async fn wal_sender_timeout(client: &tokio_postgres::Client) -> Option<Duration> {
+    let row = client.query_one("SELECT setting::int8 FROM pg_settings WHERE name = 'wal_sender_timeout'", &[]).await;
+    match row.map(|r| r.get::<_, i64>(0)) {
+        Ok(ms) if ms > 0 => Some(Duration::from_millis(ms as u64)),
+        _ => None,
     }
 }
 
