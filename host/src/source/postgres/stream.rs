@@ -50,9 +50,10 @@ pub fn watermark(lsn: u64) -> String {
     to_lexi(lsn as u128)
 }
 
-/// Unix milliseconds from a replication timestamp (µs since 2000-01-01).
-fn unix_millis(pg_micros: i64) -> i64 {
-    pg_micros / 1000 + 946_684_800_000
+/// Unix milliseconds (with microseconds as the fraction) from a replication
+/// timestamp (µs since 2000-01-01).
+fn unix_millis(pg_micros: i64) -> f64 {
+    pg_micros as f64 / 1000.0 + 946_684_800_000.0
 }
 
 pub struct ReplicationStream {
@@ -125,22 +126,41 @@ impl ReplicationStream {
     }
 }
 
+impl ReplicationStream {
+    /// Why the task stopped.
+    fn ended(&self) -> SourceError {
+        let failure = self.failure.lock().ok().and_then(|mut f| f.take());
+        failure.unwrap_or_else(|| SourceError::Transient("the replication stream ended".into()))
+    }
+}
+
 #[async_trait]
 impl ChangeStream for ReplicationStream {
     fn replica_version(&self) -> &str {
         &self.replica_version
     }
 
-    async fn next_batch(&mut self, _max: u32) -> Result<Vec<Message>, SourceError> {
-        let first = match tokio::time::timeout(Duration::from_millis(100), self.rx.recv()).await {
-            Err(_) => return Ok(Vec::new()),
-            Ok(Some(batch)) => batch,
-            Ok(None) => {
-                let failure = self.failure.lock().ok().and_then(|mut f| f.take());
-                return Err(failure.unwrap_or_else(|| SourceError::Transient("the replication stream ended".into())));
+    async fn next_batch(&mut self, max: u32) -> Result<Vec<Message>, SourceError> {
+        // What is ready without waiting; else wait a little (no timer is set
+        // up while the stream is busy).
+        let mut batch = match self.rx.try_recv() {
+            Ok(b) => b,
+            Err(mpsc::error::TryRecvError::Disconnected) => return Err(self.ended()),
+            Err(mpsc::error::TryRecvError::Empty) => {
+                match tokio::time::timeout(Duration::from_millis(100), self.rx.recv()).await {
+                    Err(_) => return Ok(Vec::new()),
+                    Ok(Some(b)) => b,
+                    Ok(None) => return Err(self.ended()),
+                }
             }
         };
-        Ok(first)
+        while batch.len() < max as usize {
+            match self.rx.try_recv() {
+                Ok(more) => batch.extend(more),
+                Err(_) => break,
+            }
+        }
+        Ok(batch)
     }
 
     async fn ack(&mut self, watermark: &str) -> Result<(), SourceError> {
@@ -519,7 +539,7 @@ impl Decoder {
 fn commit(commit_lsn: u64, commit_time: i64) -> Message {
     Message::Commit(Commit {
         watermark: watermark(commit_lsn),
-        extra: Some(format!("{{\"commitTimeMs\":{}}}", unix_millis(commit_time))),
+        extra: Some(format!("{{\"commitTimeMs\":{:.3}}}", unix_millis(commit_time))),
     })
 }
 

@@ -15,6 +15,8 @@ use sluice::storage::sqlite::{Durability, SqliteChangeLog};
 use sluice::streamer::{Streamer, StreamerOptions};
 use tokio::sync::watch;
 
+mod pg_source;
+
 fn plugin_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/plugins")
 }
@@ -24,7 +26,7 @@ async fn main() -> anyhow::Result<()> {
     let tmp = std::env::temp_dir().join(format!("sluice-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
     let registry = Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?;
-    // `sluice-bench [boundary|store|postgres|fanout|catchup ...]`: all by default.
+    // `sluice-bench [boundary|store|postgres|pgsource|fanout|catchup ...]`: all by default.
     let only: Vec<String> = std::env::args().skip(1).collect();
     let run = |section: &str| only.is_empty() || only.iter().any(|o| o == section);
     println!("# Sluice benchmarks ({} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
@@ -57,6 +59,10 @@ async fn main() -> anyhow::Result<()> {
             store_pg(&registry, &tmp, url, rows, row_bytes).await?;
         }
         pg_ceiling(&tmp, url)?;
+    }
+    if let (true, Some(url)) = (run("pgsource"), &pg_url) {
+        println!("\n## Postgres source (pgoutput) -> durable SQLite change log -> 1 subscriber, upstream on the same machine");
+        pg_source::run(url, &tmp).await?;
     }
     if run("fanout") {
         println!("\n## Fan-out over WebSockets (sluice process on the mock source, 10 rows of 100 B per transaction)");
