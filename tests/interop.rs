@@ -118,3 +118,104 @@ fn across_a_restart(change_db: &str, addr: &str, target: &str) {
     assert!(summary["reconnects"].as_u64().unwrap() >= 1, "the restart forced a reconnect: {summary}");
     assert!(status.success(), "{summary}");
 }
+
+/// Zero's client on the built-in Postgres source: the initial snapshot and
+/// then every upstream transaction once, in order, with big integers
+/// intact, across a SIGKILL of Sluice while the upstream keeps writing.
+#[test]
+fn zeros_client_follows_the_postgres_source_across_a_kill() {
+    let server = common::pg_url();
+    let db = "interop_pgsource";
+    let psql = |url: &str, sql: &str| {
+        let ok = Command::new("psql").args(["-q", "-v", "ON_ERROR_STOP=1", url, "-c", sql]).status().unwrap();
+        assert!(ok.success(), "psql {sql}");
+    };
+    psql(&server, "SELECT pg_drop_replication_slot('interop') FROM pg_replication_slots WHERE slot_name = 'interop'");
+    psql(&server, &format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"));
+    psql(&server, &format!("CREATE DATABASE {db}"));
+    let url = format!("{}/{db}", server.rsplit_once('/').unwrap().0);
+    psql(&url, "CREATE TABLE events (id int PRIMARY KEY, big bigint)");
+    psql(&url, "INSERT INTO events SELECT g, (1::int8 << 60) + g FROM generate_series(0, 49) g");
+
+    let dir = tempfile::tempdir().unwrap();
+    let change_db = format!("sqlite:{}", dir.path().join("log.db").display());
+    let addr = free_port();
+    let config = serde_json::json!({ "url": url, "slot": "interop" }).to_string();
+    let spawn = || {
+        Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["run", "--source", "postgres", "--listen", &addr, "--source-config", &config])
+            .args(["--change-db", &change_db])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut sluice = spawn();
+    let replica_version = wait_for_replica_version(&addr);
+
+    // 1 snapshot + 200 transactions; 250 events in all.
+    let mut node = Command::new("node")
+        .arg(interop_dir().join("subscribe.mjs"))
+        .args([&format!("ws://{addr}/"), replica_version.as_str(), "201", "zero", "events", "250"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("node is installed");
+    let stdout = node.stdout.take().unwrap();
+    let (lines_tx, lines) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if lines_tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let write = |from: i32, to: i32| {
+        for id in from..to {
+            psql(&url, &format!("INSERT INTO events VALUES ({id}, (1::int8 << 60) + {id})"));
+        }
+    };
+    write(50, 150);
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    write(150, 200);
+    let mut sluice = spawn();
+    write(200, 250);
+
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let summary = loop {
+        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the client finishes");
+        if line.starts_with('{') {
+            break line;
+        }
+    };
+    let status = node.wait().unwrap();
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
+    assert_eq!(summary["problems"], serde_json::json!([]), "{summary}");
+    assert_eq!(summary["commits"], 201, "{summary}");
+    assert!(status.success(), "{summary}");
+}
+
+/// The replica version from Sluice's /status, once the source has opened.
+fn wait_for_replica_version(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(Instant::now() < deadline, "sluice reports no replica version");
+        if let Ok(mut s) = std::net::TcpStream::connect(addr) {
+            let _ = write!(s, "GET /status HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+            let mut body = String::new();
+            let _ = s.read_to_string(&mut body);
+            if let Some((_, json)) = body.split_once("\r\n\r\n") {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(json) {
+                    if let Some(rv) = v["replicaVersion"].as_str() {
+                        return rv.to_string();
+                    }
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -63,7 +63,7 @@ struct RunArgs {
     /// Directory of plugin components (`*.wasm`).
     #[arg(long, default_value = "target/plugins")]
     plugins: PathBuf,
-    /// The source: the name of a source plugin (its file stem).
+    /// The source: `postgres` (built in) or the name of a source plugin (its file stem).
     #[arg(long)]
     source: String,
     /// The source's configuration: JSON text, or @FILE to read it from a file.
@@ -217,10 +217,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         ChangeDb::Postgres(_) => PathBuf::from("sluice-data"),
     };
     let cache_dir = args.cache_dir.clone().unwrap_or_else(|| data_dir.join(".cache"));
-    let registry = Registry::load(&args.plugins, Some(cache_dir)).await?;
+    // `postgres` is built in; any other source is a plugin.
     let source: Box<dyn ChangeSource> = if args.source == "postgres" {
         Box::new(PostgresSource::new(&config).map_err(anyhow::Error::msg)?)
     } else {
+        let registry = Registry::load(&args.plugins, Some(cache_dir)).await?;
         Box::new(registry.source(&args.source, config, limits, net).map_err(anyhow::Error::msg)?)
     };
     anyhow::ensure!(

@@ -4,8 +4,13 @@
 // downstream schema, big integers intact. Reconnects from the last processed
 // commit when the connection drops.
 //
-// usage: node subscribe.mjs TARGET REPLICA_VERSION TRANSACTIONS [APP_ID]
+// usage: node subscribe.mjs TARGET REPLICA_VERSION TRANSACTIONS [APP_ID [ORACLE EVENTS]]
 // Prints progress lines ("commit W") and a final JSON summary line.
+//
+// ORACLE is `mock` (the default: the mock source's commits lexi(1)..lexi(N))
+// or `events` (a Postgres upstream whose transactions insert rows into table
+// `events` with ids 0..EVENTS-1 and big = 2^60 + id: commits must grow and
+// every id must arrive exactly once).
 
 const zeroSrc = new URL('./node_modules/@rocicorp/zero/out/zero-cache/src/', import.meta.url);
 const { ChangeStreamerHttpClient } = await import(new URL('services/change-streamer/change-streamer-http.js', zeroSrc));
@@ -16,7 +21,8 @@ const { LogContext } = await import('@rocicorp/logger');
 // TARGET is the change streamer's ws:// URL, or a postgres:// change DB URL
 // (with APP_ID) to discover the streamer the way a view-syncer does: from
 // replicationState.ownerAddress.
-const [target, replicaVersion, total, appID = 'zero'] = process.argv.slice(2);
+const [target, replicaVersion, total, appID = 'zero', oracle = 'mock', events = '0'] = process.argv.slice(2);
+const eventIds = new Map();
 const discover = target.startsWith('postgres');
 const want = Number(total);
 
@@ -74,7 +80,10 @@ while (commits.length < want && reconnects < 200) {
         open = extra.commitWatermark;
       } else if (kind === 'data') {
         if (!open) fail('data outside a transaction');
-        if (body.tag === 'insert') {
+        if (body.tag === 'insert' && oracle === 'events' && body.relation.name === 'events') {
+          eventIds.set(Number(body.new.id), (eventIds.get(Number(body.new.id)) ?? 0) + 1);
+        }
+        if (body.tag === 'insert' && (oracle === 'mock' || body.relation.name === 'events')) {
           const { id, big } = body.new;
           if (typeof big !== 'bigint' || big !== (1n << 60n) + BigInt(id)) fail(`big integer not intact: ${big} for id ${id}`);
         }
@@ -100,8 +109,19 @@ while (commits.length < want && reconnects < 200) {
   }
 }
 
-const expected = Array.from({ length: want }, (_, i) => lexi(i + 1));
-const inOrder = commits.length === want && commits.every((w, i) => w === expected[i]);
-if (!inOrder) fail(`commits differ from 1..${want}: got ${commits.length}, first mismatch at ${commits.findIndex((w, i) => w !== expected[i])}`);
+if (oracle === 'mock') {
+  const expected = Array.from({ length: want }, (_, i) => lexi(i + 1));
+  const inOrder = commits.length === want && commits.every((w, i) => w === expected[i]);
+  if (!inOrder) fail(`commits differ from 1..${want}: got ${commits.length}, first mismatch at ${commits.findIndex((w, i) => w !== expected[i])}`);
+} else {
+  if (commits.length !== want) fail(`${commits.length} commits, expected ${want}`);
+  const bad = commits.findIndex((w, i) => i > 0 && !(commits[i - 1] < w));
+  if (bad >= 0) fail(`commit ${commits[bad]} does not follow ${commits[bad - 1]}`);
+  for (let id = 0; id < Number(events); id++) {
+    const n = eventIds.get(id) ?? 0;
+    if (n !== 1) fail(`event ${id} arrived ${n} times`);
+  }
+  if (eventIds.size !== Number(events)) fail(`${eventIds.size} distinct events, expected ${events}`);
+}
 console.log(JSON.stringify({ commits: commits.length, reconnects, messages, problems }));
 process.exit(problems.length ? 1 : 0);
