@@ -811,3 +811,58 @@ async fn without_the_event_trigger_schema_changes_come_from_relation_messages() 
     })
     .await;
 }
+
+/// A slot the server invalidated (it removed WAL the slot still needed,
+/// past `max_slot_wal_keep_size`) while Sluice was down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidated_slot_requires_a_reset_with_the_reason() {
+    init_logs();
+    let server = PgServer::start(&[
+        "wal_level=logical",
+        "max_wal_senders=5",
+        "max_replication_slots=5",
+        "max_slot_wal_keep_size=1MB",
+        "min_wal_size=32MB",
+        "max_wal_size=32MB",
+    ]);
+    let up = upstream_on(&server.url(), "pgsrc_invalid").await;
+    up.exec("CREATE TABLE t (id int PRIMARY KEY, pad text); INSERT INTO t VALUES (1, 'x')").await;
+    let mut sluice = Sluice::start(up.config("pgsrc_invalid")).await;
+    let replica = sluice.subscribe().await;
+    converge(&up, &replica, &["public.t"]).await;
+    sluice.stop().await.unwrap();
+    // Write and recycle far more WAL than the slot may hold.
+    let client = &up.client;
+    wait_until("the slot to be invalidated", WAIT, || async move {
+        client
+            .batch_execute(
+                "INSERT INTO t SELECT g, repeat('p', 1000) FROM generate_series(2, 20000) g ON CONFLICT (id) DO UPDATE SET pad = EXCLUDED.pad",
+            )
+            .await
+            .unwrap();
+        client.batch_execute("SELECT pg_switch_wal(); CHECKPOINT").await.unwrap();
+        let status: Option<String> = client
+            .query_one("SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'pgsrc_invalid'", &[])
+            .await
+            .unwrap()
+            .get(0);
+        status.as_deref() == Some("lost")
+    })
+    .await;
+    sluice.run();
+    let st = sluice.status.clone();
+    wait_until("reset required", WAIT, || {
+        let s = st.snapshot();
+        async move { s.reset_required }
+    })
+    .await;
+    let reason = sluice.status.snapshot().reset_reason.unwrap_or_default();
+    assert!(reason.contains("pgsrc_invalid was invalidated"), "{reason}");
+    let logs = sluice.spec();
+    wait_until("the change log to record the reset", WAIT, || {
+        let spec = logs.clone();
+        async move { spec.replication().await.2 }
+    })
+    .await;
+    sluice.stop().await.unwrap();
+}

@@ -36,6 +36,9 @@ pub struct Snapshot {
     pub subscribers: usize,
     pub source: SourceState,
     pub reset_required: bool,
+    /// Why the upstream required a reset, when it did in this run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reset_reason: Option<String>,
     pub stages: StageTimes,
 }
 

@@ -417,7 +417,10 @@ impl Streamer {
                 let why = message.unwrap_or_else(|| "no reason given".into());
                 tracing::error!("the upstream requires a reset: {why}");
                 storer.mark_reset_required();
-                self.status.update(|s| s.reset_required = true);
+                self.status.update(|s| {
+                    s.reset_required = true;
+                    s.reset_reason = Some(why.clone());
+                });
                 if self.options.auto_reset {
                     return Err(PassEnd::Restart);
                 }
