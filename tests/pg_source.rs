@@ -321,6 +321,24 @@ impl Sluice {
         self.status.snapshot().replica_version.unwrap()
     }
 
+    /// Waits until the upstream required a reset and the change log recorded
+    /// it; returns the reason.
+    async fn wait_for_reset(&self) -> String {
+        let st = self.status.clone();
+        wait_until("reset required", WAIT, || {
+            let s = st.snapshot();
+            async move { s.reset_required }
+        })
+        .await;
+        let spec = self.spec();
+        wait_until("the change log to record the reset", WAIT, || {
+            let spec = spec.clone();
+            async move { spec.replication().await.2 }
+        })
+        .await;
+        self.status.snapshot().reset_reason.unwrap_or_default()
+    }
+
     /// A subscriber from the replica version, applying to a [`Replica`].
     async fn subscribe(&self) -> Arc<Mutex<Replica>> {
         let rv = self.replica_version().await;
@@ -571,18 +589,7 @@ async fn schema_changes_of_every_kind_arrive_in_their_transaction() {
 
     // A column whose default a replica cannot compute needs a new snapshot.
     up.exec("ALTER TABLE t ADD COLUMN at timestamptz DEFAULT now()").await;
-    let st = sluice.status.clone();
-    wait_until("reset required", WAIT, || {
-        let s = st.snapshot();
-        async move { s.reset_required }
-    })
-    .await;
-    let spec = sluice.spec();
-    wait_until("the change log to record the reset", WAIT, || {
-        let spec = spec.clone();
-        async move { spec.replication().await.2 }
-    })
-    .await;
+    sluice.wait_for_reset().await;
     sluice.stop().await.unwrap();
 }
 
@@ -690,18 +697,7 @@ async fn a_lost_slot_requires_a_reset_and_auto_reset_rebuilds() {
     sluice.stop().await.unwrap();
     up.drop_slot("pgsrc_lost").await;
     sluice.run();
-    let st = sluice.status.clone();
-    wait_until("reset required", WAIT, || {
-        let s = st.snapshot();
-        async move { s.reset_required }
-    })
-    .await;
-    let spec = sluice.spec();
-    wait_until("the change log to record the reset", WAIT, || {
-        let spec = spec.clone();
-        async move { spec.replication().await.2 }
-    })
-    .await;
+    sluice.wait_for_reset().await;
     sluice.stop().await.unwrap();
 
     // With auto-reset the next run takes a new slot and snapshot.
@@ -804,12 +800,7 @@ async fn without_the_event_trigger_schema_changes_come_from_relation_messages() 
     // A new table cannot be followed without the trigger: a reset.
     plain.exec("CREATE TABLE fresh (id int PRIMARY KEY); ALTER PUBLICATION mine ADD TABLE fresh").await;
     plain.exec("INSERT INTO fresh VALUES (1)").await;
-    let st = sluice.status.clone();
-    wait_until("reset required", WAIT, || {
-        let s = st.snapshot();
-        async move { s.reset_required }
-    })
-    .await;
+    sluice.wait_for_reset().await;
 }
 
 /// A slot the server invalidated (it removed WAL the slot still needed,
@@ -850,19 +841,7 @@ async fn an_invalidated_slot_requires_a_reset_with_the_reason() {
     })
     .await;
     sluice.run();
-    let st = sluice.status.clone();
-    wait_until("reset required", WAIT, || {
-        let s = st.snapshot();
-        async move { s.reset_required }
-    })
-    .await;
-    let reason = sluice.status.snapshot().reset_reason.unwrap_or_default();
+    let reason = sluice.wait_for_reset().await;
     assert!(reason.contains("pgsrc_invalid was invalidated"), "{reason}");
-    let logs = sluice.spec();
-    wait_until("the change log to record the reset", WAIT, || {
-        let spec = logs.clone();
-        async move { spec.replication().await.2 }
-    })
-    .await;
     sluice.stop().await.unwrap();
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{free_addr, peak_rss_mib, percentile, sluice_binary};
+use super::{free_addr, peak_rss_mib, percentile, sluice_binary, split_frame};
 
 const DB: &str = "sluice_bench_src";
 const SLOT: &str = "sluice_bench";
@@ -39,11 +39,8 @@ async fn subscribe(addr: String, replica_version: String, seen: Arc<Seen>) -> an
     let (mut ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await?;
     while let Some(frame) = ws.next().await {
         let Ws::Text(text) = frame? else { continue };
-        let text: &str = &text;
-        let comma = text.find(',').ok_or_else(|| anyhow::anyhow!("bad frame {text}"))?;
-        let id: u64 = text[6..comma].parse()?;
+        let (id, msg) = split_frame(&text)?;
         ws.send(Ws::Text(format!("{{\"ack\":{id}}}").into())).await?;
-        let msg = &text[comma + 7..text.len() - 1];
         if msg.starts_with("[\"data\"") {
             seen.changes.fetch_add(1, Ordering::Relaxed);
         } else if msg.starts_with("[\"commit\"") {

@@ -133,14 +133,9 @@ fn num(s: &str) -> Option<i64> {
 
 /// `YYYY-MM-DD[ BC]` to milliseconds at UTC midnight.
 fn date_millis(text: &str) -> Option<f64> {
-    match text {
-        "infinity" => return Some(f64::INFINITY),
-        "-infinity" => return Some(f64::NEG_INFINITY),
-        _ => {}
-    }
-    let (body, bc) = match text.strip_suffix(" BC") {
-        Some(b) => (b, true),
-        None => (text, false),
+    let (body, bc) = match infinite_or_era(text) {
+        Err(infinite) => return Some(infinite),
+        Ok(split) => split,
     };
     let mut parts = body.splitn(3, '-');
     let mut year = num(parts.next()?)?;
@@ -191,15 +186,23 @@ fn time_millis(text: &str) -> Option<f64> {
     Some((ms - offset).rem_euclid(86_400_000.0))
 }
 
-fn timestamp_millis(text: &str) -> Option<f64> {
+/// `Err` with the value of `infinity` / `-infinity`; else the text without
+/// a trailing ` BC`, and whether it had one.
+fn infinite_or_era(text: &str) -> Result<(&str, bool), f64> {
     match text {
-        "infinity" => return Some(f64::INFINITY),
-        "-infinity" => return Some(f64::NEG_INFINITY),
-        _ => {}
+        "infinity" => Err(f64::INFINITY),
+        "-infinity" => Err(f64::NEG_INFINITY),
+        _ => Ok(match text.strip_suffix(" BC") {
+            Some(b) => (b, true),
+            None => (text, false),
+        }),
     }
-    let (body, bc) = match text.strip_suffix(" BC") {
-        Some(b) => (b, true),
-        None => (text, false),
+}
+
+fn timestamp_millis(text: &str) -> Option<f64> {
+    let (body, bc) = match infinite_or_era(text) {
+        Err(infinite) => return Some(infinite),
+        Ok(split) => split,
     };
     let (date, clock) = body.split_once(' ')?;
     let day = if bc { date_millis(&format!("{date} BC"))? } else { date_millis(date)? };
