@@ -59,6 +59,7 @@ async fn server_with(backend: Backend, limits: sluice::subscriber::Limits) -> Se
         status: status.clone(),
         subscriber_limits: limits,
         ping_interval: Duration::from_secs(30),
+        filters: sluice::filter::FilterHost::none(),
     };
     let (addr, serve) =
         sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx.clone()).await.unwrap();

@@ -1,12 +1,14 @@
 //! Sluice: a change streamer with WebAssembly plugins.
 //!
 //! Data flows `source` -> `streamer` (the replication loop) -> `storer`
-//! (durable change log in `storage`) and, in later layers, to subscribers.
-//! Plugins sit at the edge in `plugin`.
+//! (durable change log in `storage`) and through `hub` / `forwarder` to each
+//! `subscriber`, whose frames leave through `server` (optionally through a
+//! `filter` chain). Plugins sit at the edge in `plugin`.
 
 pub mod catchup;
 pub mod change;
 pub mod cleanup;
+pub mod filter;
 pub mod forwarder;
 pub mod hub;
 pub mod plugin;

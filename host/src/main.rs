@@ -48,6 +48,10 @@ enum Command {
         /// Print each message as raw JSON.
         #[arg(long)]
         json: bool,
+        /// View the stream through a filter plugin: NAME or NAME=CONFIG_JSON
+        /// (repeatable; applied in order).
+        #[arg(long = "filter")]
+        filters: Vec<String>,
     },
     /// List the plugins in a directory and whether they load.
     Plugins {
@@ -96,6 +100,12 @@ struct RunArgs {
     /// Memory cap of one plugin instance, in MiB.
     #[arg(long, default_value_t = 256)]
     plugin_memory_mb: usize,
+    /// Longest one call into a subscriber filter may run, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    filter_deadline_ms: u64,
+    /// Memory cap of one filter instance, in MiB.
+    #[arg(long, default_value_t = 64)]
+    filter_memory_mb: usize,
     /// Let the source plugin connect to HOST:PORT (repeatable). Without it
     /// the plugin has no network access.
     #[arg(long = "allow-net")]
@@ -151,8 +161,9 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run(args) => run(*args).await,
             Command::Plugins { plugins, cache_dir } => list_plugins(plugins, cache_dir).await,
-            Command::Tail { url, watermark, replica_version, max_tx, json } => {
-                sluice::tail::run(sluice::tail::TailOptions { url, watermark, replica_version, max_tx, json }).await
+            Command::Tail { url, watermark, replica_version, max_tx, json, filters } => {
+                sluice::tail::run(sluice::tail::TailOptions { url, watermark, replica_version, max_tx, json, filters })
+                    .await
             }
         }
     });
@@ -217,13 +228,24 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         ChangeDb::Postgres(_) => PathBuf::from("sluice-data"),
     };
     let cache_dir = args.cache_dir.clone().unwrap_or_else(|| data_dir.join(".cache"));
-    // `postgres` is built in; any other source is a plugin.
-    let source: Box<dyn ChangeSource> = if args.source == "postgres" {
-        Box::new(PostgresSource::new(&config).map_err(anyhow::Error::msg)?)
+    // `postgres` is built in and needs no plugin directory; any other source
+    // is a plugin. Filters come from the same directory.
+    let builtin = args.source == "postgres";
+    let registry = if !builtin || args.plugins.is_dir() {
+        Some(Arc::new(Registry::load(&args.plugins, Some(cache_dir)).await?))
     } else {
-        let registry = Registry::load(&args.plugins, Some(cache_dir)).await?;
-        Box::new(registry.source(&args.source, config, limits, net).map_err(anyhow::Error::msg)?)
+        None
     };
+    let source: Box<dyn ChangeSource> = match &registry {
+        _ if builtin => Box::new(PostgresSource::new(&config).map_err(anyhow::Error::msg)?),
+        Some(registry) => Box::new(registry.source(&args.source, config, limits, net).map_err(anyhow::Error::msg)?),
+        None => unreachable!("plugin sources load the registry"),
+    };
+    let filter_limits = Limits {
+        call_deadline: Duration::from_millis(args.filter_deadline_ms),
+        memory_bytes: args.filter_memory_mb << 20,
+    };
+    let filters = sluice::filter::FilterHost::new(registry.clone(), filter_limits);
     anyhow::ensure!(
         !args.app_id.is_empty()
             && args.app_id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
@@ -265,6 +287,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             ..sluice::subscriber::Limits::default()
         },
         ping_interval: Duration::from_secs(30),
+        filters,
     };
     let (addr, serve) = sluice::server::bind(&args.listen, sluice::server::router(app), stop_rx.clone()).await?;
     let cleanup = CleanupOptions {

@@ -18,6 +18,41 @@ pub struct TailOptions {
     pub max_tx: Option<u64>,
     /// Print raw messages instead of one readable line each.
     pub json: bool,
+    /// `NAME` or `NAME=CONFIG_JSON` of each filter, in order.
+    pub filters: Vec<String>,
+}
+
+/// The `filters` query parameter for `--filter` arguments.
+pub fn filters_param(filters: &[String]) -> anyhow::Result<Option<String>> {
+    if filters.is_empty() {
+        return Ok(None);
+    }
+    let mut specs = Vec::new();
+    for f in filters {
+        let (plugin, config) = match f.split_once('=') {
+            Some((p, c)) => {
+                let c: serde_json::Value =
+                    serde_json::from_str(c).with_context(|| format!("--filter {f}: the config is not valid JSON"))?;
+                (p, c)
+            }
+            None => (f.as_str(), serde_json::json!({})),
+        };
+        specs.push(serde_json::json!({ "plugin": plugin, "config": config }));
+    }
+    Ok(Some(percent_encode(&serde_json::Value::Array(specs).to_string())))
+}
+
+/// Query-string encoding: unreserved characters as they are, the rest as %XX.
+fn percent_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() * 3);
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 fn host_port(url: &str) -> anyhow::Result<String> {
@@ -74,10 +109,14 @@ pub async fn run(opts: TailOptions) -> anyhow::Result<()> {
             (rv, wm)
         }
     };
-    let url = format!(
+    let mut url = format!(
         "ws://{addr}/replication/v6/changes?id=tail-{}&taskID=tail&mode=serving&replicaVersion={rv}&watermark={wm}&initial=false",
         std::process::id()
     );
+    if let Some(f) = filters_param(&opts.filters)? {
+        url.push_str("&filters=");
+        url.push_str(&f);
+    }
     let (mut ws, _) = tokio_tungstenite::connect_async_with_config(&url, None, true)
         .await
         .with_context(|| format!("connecting to {url}"))?;

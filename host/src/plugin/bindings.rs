@@ -6,3 +6,13 @@ wasmtime::component::bindgen!({
     world: "source-plugin",
     exports: { default: async },
 });
+
+/// The filter world, sharing the `types` interface generated above.
+pub mod filter {
+    wasmtime::component::bindgen!({
+        path: "../wit",
+        world: "filter-plugin",
+        exports: { default: async },
+        with: { "sluice:plugin/types": super::sluice::plugin::types },
+    });
+}

@@ -6,6 +6,7 @@ use anyhow::Context;
 use wasmtime::component::{Component, Linker};
 use wasmtime::Engine;
 
+use super::bindings::filter::FilterPluginPre;
 use super::bindings::SourcePluginPre;
 use super::cache::CodeCache;
 use super::sandbox::{self, HostState, Limits, NetGrant};
@@ -15,12 +16,14 @@ use super::{WIT_PACKAGE, WIT_VERSION};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PluginKind {
     Source,
+    Filter,
 }
 
 impl std::fmt::Display for PluginKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             PluginKind::Source => "source",
+            PluginKind::Filter => "filter",
         })
     }
 }
@@ -41,7 +44,13 @@ pub struct PluginInfo {
 
 struct Loaded {
     info: PluginInfo,
-    source: Option<SourcePluginPre<HostState>>,
+    pre: Option<Pre>,
+}
+
+/// A plugin ready to instantiate, by kind.
+enum Pre {
+    Source(SourcePluginPre<HostState>),
+    Filter(FilterPluginPre<HostState>),
 }
 
 pub struct Registry {
@@ -70,7 +79,7 @@ impl Registry {
             let name = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
             let mut info =
                 PluginInfo { name, file: file.clone(), kind: None, wit_version: None, error: None, cached: false };
-            let source = match load_one(&engine, &linker, &cache, &mut info).await {
+            let pre = match load_one(&engine, &linker, &cache, &mut info).await {
                 Ok(pre) => Some(pre),
                 Err(e) => {
                     tracing::error!("plugin {} ({}): {e}", info.name, info.file.display());
@@ -81,7 +90,7 @@ impl Registry {
             if let Some(kind) = info.kind.filter(|_| info.error.is_none()) {
                 tracing::info!(plugin = %info.name, %kind, cached = info.cached, "loaded plugin");
             }
-            plugins.push(Loaded { info, source });
+            plugins.push(Loaded { info, pre });
         }
         Ok(Registry { engine, plugins })
     }
@@ -107,8 +116,34 @@ impl Registry {
         if let Some(err) = &p.info.error {
             return Err(format!("source plugin {name} failed to load: {err}"));
         }
-        let pre = p.source.clone().ok_or_else(|| format!("plugin {name} is not a source"))?;
-        Ok(WasmSource::new(self.engine.clone(), name.to_string(), pre, config, limits, net))
+        let Some(Pre::Source(pre)) = &p.pre else { return Err(format!("plugin {name} is not a source")) };
+        Ok(WasmSource::new(self.engine.clone(), name.to_string(), pre.clone(), config, limits, net))
+    }
+
+    /// The filter plugin called `name`, ready to instantiate.
+    pub fn filter(&self, name: &str) -> Result<(Engine, FilterPluginPre<HostState>), String> {
+        let Some(p) = self.plugins.iter().find(|p| p.info.name == name) else {
+            let names: Vec<&str> = self
+                .plugins
+                .iter()
+                .filter(|p| p.info.kind == Some(PluginKind::Filter) && p.info.error.is_none())
+                .map(|p| p.info.name.as_str())
+                .collect();
+            return Err(format!(
+                "unknown filter {name:?}: the plugin directory has no {name}.wasm (filters available: {})",
+                if names.is_empty() { "none".to_string() } else { names.join(", ") }
+            ));
+        };
+        if let Some(err) = &p.info.error {
+            return Err(format!("filter plugin {name} failed to load: {err}"));
+        }
+        match &p.pre {
+            Some(Pre::Filter(pre)) => Ok((self.engine.clone(), pre.clone())),
+            _ => Err(format!(
+                "plugin {name} is a {}, not a filter",
+                p.info.kind.map(|k| k.to_string()).unwrap_or_default()
+            )),
+        }
     }
 }
 
@@ -117,7 +152,7 @@ async fn load_one(
     linker: &Linker<HostState>,
     cache: &CodeCache,
     info: &mut PluginInfo,
-) -> Result<SourcePluginPre<HostState>, String> {
+) -> Result<Pre, String> {
     let bytes = std::fs::read(&info.file).map_err(|e| format!("cannot read the file: {e}"))?;
     check_header(&bytes)?;
     let engine2 = engine.clone();
@@ -135,11 +170,20 @@ async fn load_one(
     let pre = linker
         .instantiate_pre(&component)
         .map_err(|e| format!("cannot be linked (it imports something this host does not provide): {e}"))?;
-    let pre = SourcePluginPre::new(pre).map_err(|e| format!("does not match the source interface: {e}"))?;
     // Structure is only checked at instantiation, so instantiate once now.
     let mut store = sandbox::new_store(engine, &info.name, Limits::default(), &NetGrant::default());
-    pre.instantiate_async(&mut store).await.map_err(|e| format!("trial instantiation failed: {e}"))?;
-    Ok(pre)
+    match kind {
+        PluginKind::Source => {
+            let pre = SourcePluginPre::new(pre).map_err(|e| format!("does not match the source interface: {e}"))?;
+            pre.instantiate_async(&mut store).await.map_err(|e| format!("trial instantiation failed: {e}"))?;
+            Ok(Pre::Source(pre))
+        }
+        PluginKind::Filter => {
+            let pre = FilterPluginPre::new(pre).map_err(|e| format!("does not match the filter interface: {e}"))?;
+            pre.instantiate_async(&mut store).await.map_err(|e| format!("trial instantiation failed: {e}"))?;
+            Ok(Pre::Filter(pre))
+        }
+    }
 }
 
 fn check_header(bytes: &[u8]) -> Result<(), String> {
@@ -170,7 +214,7 @@ fn classify(engine: &Engine, component: &Component) -> Result<(PluginKind, Strin
         }
     }
     if found.is_empty() {
-        return Err(format!("exports no {WIT_PACKAGE} interface (a source exports {WIT_PACKAGE}/source@0.1.x)"));
+        return Err(format!("exports no {WIT_PACKAGE} interface (a source exports {WIT_PACKAGE}/source@0.1.x, a filter {WIT_PACKAGE}/filter@0.1.x)"));
     }
     for (interface, version) in &found {
         if !compatible(version) {
@@ -179,8 +223,10 @@ fn classify(engine: &Engine, component: &Component) -> Result<(PluginKind, Strin
                 WIT_VERSION.0, WIT_VERSION.1
             ));
         }
-        if interface == "source" {
-            return Ok((PluginKind::Source, version.clone()));
+        match interface.as_str() {
+            "source" => return Ok((PluginKind::Source, version.clone())),
+            "filter" => return Ok((PluginKind::Filter, version.clone())),
+            _ => {}
         }
     }
     Err(format!(

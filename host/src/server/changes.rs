@@ -16,7 +16,8 @@ use axum::response::Response;
 use futures::{SinkExt, StreamExt};
 
 use super::AppState;
-use crate::subscriber::{Connection, Frame, Mode, Subscriber};
+use crate::filter::{FilterGroup, Outcome};
+use crate::subscriber::{Connection, ErrorType, Frame, Mode, Subscriber};
 
 /// Protocol versions of `@rocicorp/zero` 1.9.0's change-streamer.
 pub const MIN_PROTOCOL: u32 = 1;
@@ -32,6 +33,8 @@ pub struct SubscriberContext {
     pub mode: Mode,
     pub replica_version: String,
     pub watermark: String,
+    /// The filter chain asked for (`filters=[...]`).
+    pub filters: Option<Vec<crate::filter::FilterSpec>>,
 }
 
 /// Checks the `v{N}` path segment as Zero does.
@@ -66,7 +69,8 @@ pub fn parse_context(segment: &str, query: &HashMap<String, String>) -> Result<S
     let mode = if param(query, "mode", false)? == Some("backup") { Mode::Backup } else { Mode::Serving };
     let replica_version = param(query, "replicaVersion", true)?.unwrap_or_default().to_string();
     let watermark = param(query, "watermark", true)?.unwrap_or_default().to_string();
-    Ok(SubscriberContext { protocol, id, task_id, mode, replica_version, watermark })
+    let filters = param(query, "filters", false)?.map(crate::filter::parse_specs).transpose()?;
+    Ok(SubscriberContext { protocol, id, task_id, mode, replica_version, watermark, filters })
 }
 
 pub async fn changes(
@@ -122,6 +126,18 @@ fn elide(s: &str, max: usize) -> String {
 }
 
 async fn serve(socket: WebSocket, ctx: SubscriberContext, app: AppState) {
+    // A filter chain that cannot be built refuses the subscription before
+    // any change is sent.
+    let filter = match &ctx.filters {
+        None => None,
+        Some(specs) => match app.filters.group(specs).await {
+            Ok(group) => Some(group),
+            Err(message) => {
+                tracing::warn!(subscriber = %ctx.id, "refusing subscriber: {message}");
+                return close_with_error(socket, &message).await;
+            }
+        },
+    };
     let (sub, conn) = Subscriber::new(
         ctx.id.clone(),
         ctx.task_id.clone(),
@@ -135,10 +151,11 @@ async fn serve(socket: WebSocket, ctx: SubscriberContext, app: AppState) {
         task = %ctx.task_id,
         watermark = %ctx.watermark,
         protocol = ctx.protocol,
+        filters = filter.as_ref().map(|f| f.label.as_str()).unwrap_or("-"),
         "subscriber connected"
     );
     app.hub.subscribe(sub.clone(), &ctx.replica_version);
-    let reason = pump(socket, &sub, conn, app.ping_interval).await;
+    let reason = pump(socket, &sub, conn, app.ping_interval, filter).await;
     app.hub.unsubscribe(&sub);
     tracing::info!(subscriber = %ctx.id, acked = %sub.acked(), "subscriber disconnected: {reason}");
 }
@@ -152,11 +169,18 @@ struct InFlight {
     last: bool,
 }
 
-async fn pump(socket: WebSocket, sub: &Arc<Subscriber>, mut conn: Connection, ping_every: Duration) -> String {
+async fn pump(
+    socket: WebSocket,
+    sub: &Arc<Subscriber>,
+    mut conn: Connection,
+    ping_every: Duration,
+    filter: Option<Arc<FilterGroup>>,
+) -> String {
     let (mut tx, mut rx) = socket.split();
     let mut in_flight: VecDeque<InFlight> = VecDeque::new();
     let mut next_id = 0u64;
     let mut alive = true;
+    let mut filter_failed = false;
     let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + ping_every, ping_every);
     loop {
         tokio::select! {
@@ -169,12 +193,41 @@ async fn pump(socket: WebSocket, sub: &Arc<Subscriber>, mut conn: Connection, pi
                         Err(_) => break,
                     }
                 }
+                let outcomes = match &filter {
+                    Some(group) if !filter_failed => match filter_frames(group, &frames).await {
+                        Ok(o) => o,
+                        Err(message) => {
+                            // Nothing more reaches this subscriber unfiltered.
+                            tracing::warn!("closing a filtered subscriber: {message}");
+                            filter_failed = true;
+                            sub.close(Some((ErrorType::Unknown, message)));
+                            Vec::new()
+                        }
+                    },
+                    _ => Vec::new(),
+                };
+                let mut outcomes = outcomes.into_iter();
                 let mut closing = false;
                 for frame in frames {
                     let (json, bytes, commit, last) = match frame {
                         Some(Frame::Message { json, commit }) => {
                             let n = json.len();
-                            (json, n, commit, false)
+                            if filter.is_some() && crate::filter::is_data(&json) {
+                                match outcomes.next() {
+                                    Some(Outcome::Keep) => (json, n, commit, false),
+                                    Some(Outcome::Replace(other)) => (other, n, commit, false),
+                                    // Dropped (or the filter failed): consumed as if acked.
+                                    Some(Outcome::Drop) | None => {
+                                        sub.consumed(n, None);
+                                        continue;
+                                    }
+                                }
+                            } else if filter_failed {
+                                sub.consumed(n, None);
+                                continue;
+                            } else {
+                                (json, n, commit, false)
+                            }
                         }
                         Some(Frame::Error(json)) => (Arc::from(json.as_str()), 0, None, true),
                         Some(Frame::Close) | None => {
@@ -248,6 +301,21 @@ async fn pump(socket: WebSocket, sub: &Arc<Subscriber>, mut conn: Connection, pi
             }
         }
     }
+}
+
+/// The filter's outcome for each data message among `frames`, in order.
+async fn filter_frames(group: &FilterGroup, frames: &[Option<Frame>]) -> Result<Vec<Outcome>, String> {
+    let data: Vec<Arc<str>> = frames
+        .iter()
+        .filter_map(|f| match f {
+            Some(Frame::Message { json, .. }) if crate::filter::is_data(json) => Some(json.clone()),
+            _ => None,
+        })
+        .collect();
+    if data.is_empty() {
+        return Ok(Vec::new());
+    }
+    group.apply(&data).await
 }
 
 async fn close_with_error_split(tx: &mut futures::stream::SplitSink<WebSocket, Message>, message: &str) {

@@ -23,6 +23,8 @@ pub struct AppState {
     pub status: Arc<Status>,
     pub subscriber_limits: subscriber::Limits,
     pub ping_interval: std::time::Duration,
+    /// Subscriber filters (`FilterHost::none()` without a plugin directory).
+    pub filters: Arc<crate::filter::FilterHost>,
 }
 
 pub fn router(state: AppState) -> Router {

@@ -31,6 +31,8 @@ fn queued_cost(json_len: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum ErrorType {
+    /// Anything else (a failing subscriber filter).
+    Unknown = 0,
     WrongReplicaVersion = 1,
     WatermarkTooOld = 2,
     StreamTooFarBehind = 3,

@@ -247,6 +247,7 @@ async fn catchup(
         status: status.clone(),
         subscriber_limits: sluice::subscriber::Limits::default(),
         ping_interval: Duration::from_secs(30),
+        filters: sluice::filter::FilterHost::none(),
     };
     let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx.clone()).await?;
     tokio::spawn(serve);

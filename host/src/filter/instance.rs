@@ -1,0 +1,93 @@
+//! One filter plugin instance: its own Store (memory cap, per-call deadline,
+//! no WASI capabilities beyond stderr to the log) and the `change-filter`
+//! resource created from one configuration.
+
+use std::collections::HashMap;
+
+use wasmtime::component::ResourceAny;
+use wasmtime::{Engine, Store};
+
+use crate::plugin::bindings::filter::exports::sluice::plugin::filter::{Change, Decision, TablePolicy};
+use crate::plugin::bindings::filter::{FilterPlugin, FilterPluginPre};
+use crate::plugin::{describe_failure, new_store, HostState, Limits, NetGrant};
+use crate::source::model::PluginError;
+
+pub struct FilterInstance {
+    name: String,
+    store: Store<HostState>,
+    plugin: FilterPlugin,
+    handle: ResourceAny,
+    limits: Limits,
+    /// Answers of `table-policy`, asked once per table.
+    policies: HashMap<(String, String), TablePolicy>,
+}
+
+impl FilterInstance {
+    pub async fn create(
+        engine: &Engine,
+        pre: &FilterPluginPre<HostState>,
+        name: &str,
+        config: &str,
+        limits: Limits,
+    ) -> Result<Self, String> {
+        let mut store = new_store(engine, name, limits, &NetGrant::default());
+        store.data_mut().arm_deadline(limits.call_deadline);
+        let plugin = match pre.instantiate_async(&mut store).await {
+            Ok(p) => p,
+            Err(e) => return Err(format!("filter plugin {name} {}", describe_failure(&e, store.data(), limits))),
+        };
+        store.data_mut().arm_deadline(limits.call_deadline);
+        let created = plugin.sluice_plugin_filter().call_create(&mut store, config).await;
+        let handle = match created {
+            Ok(Ok(h)) => h,
+            Ok(Err(PluginError::InvalidConfig(m))) => {
+                return Err(format!("filter plugin {name} rejected its configuration: {m}"))
+            }
+            Ok(Err(PluginError::Transient(m) | PluginError::Fatal(m))) => {
+                return Err(format!("filter plugin {name} could not start: {m}"))
+            }
+            Err(e) => return Err(format!("filter plugin {name} {}", describe_failure(&e, store.data(), limits))),
+        };
+        Ok(FilterInstance { name: name.to_string(), store, plugin, handle, limits, policies: HashMap::new() })
+    }
+
+    fn failure(&self, e: wasmtime::Error) -> String {
+        format!("filter plugin {} {}", self.name, describe_failure(&e, self.store.data(), self.limits))
+    }
+
+    pub async fn policy(&mut self, schema: &str, table: &str) -> Result<TablePolicy, String> {
+        if let Some(p) = self.policies.get(&(schema.to_string(), table.to_string())) {
+            return Ok(*p);
+        }
+        self.store.data_mut().arm_deadline(self.limits.call_deadline);
+        let filter = self.plugin.sluice_plugin_filter().change_filter();
+        let policy = match filter.call_table_policy(&mut self.store, self.handle, schema, table).await {
+            Ok(p) => p,
+            Err(e) => return Err(self.failure(e)),
+        };
+        self.policies.insert((schema.to_string(), table.to_string()), policy);
+        Ok(policy)
+    }
+
+    pub async fn apply(&mut self, batch: &[Change]) -> Result<Vec<Decision>, String> {
+        self.store.data_mut().arm_deadline(self.limits.call_deadline);
+        let filter = self.plugin.sluice_plugin_filter().change_filter();
+        let decisions = match filter.call_apply(&mut self.store, self.handle, batch).await {
+            Ok(d) => d,
+            Err(e) => return Err(self.failure(e)),
+        };
+        if decisions.len() != batch.len() {
+            return Err(format!(
+                "filter plugin {} answered {} decisions for {} changes",
+                self.name,
+                decisions.len(),
+                batch.len()
+            ));
+        }
+        Ok(decisions)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}

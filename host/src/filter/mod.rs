@@ -1,0 +1,305 @@
+//! Subscriber filters: per-subscriber views of the stream, computed by filter
+//! plugins (`wit/sluice.wit`, world `filter-plugin`).
+//!
+//! A subscriber names a chain of filters (`filters=[{"plugin":..,"config":..}]`
+//! on the changes endpoint). Subscribers with the same chain share one
+//! [`FilterGroup`]: one instance of each filter, and a cache of the outcome of
+//! each live change, so a change forwarded to a hundred subscribers of one
+//! chain is evaluated once. Filtering happens where frames leave for the
+//! socket, so catch-up and live changes take the same path and a subscriber
+//! sees the same view whichever way a change reached it.
+
+mod instance;
+mod route;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, Weak};
+
+use serde::{Deserialize, Serialize};
+
+pub use instance::FilterInstance;
+pub use route::{route, Route};
+
+use crate::plugin::bindings::filter::exports::sluice::plugin::filter::{Change, Decision, TablePolicy};
+use crate::plugin::{Limits, Registry};
+
+/// One filter of a chain, as a subscriber asks for it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FilterSpec {
+    pub plugin: String,
+    #[serde(default = "empty_object")]
+    pub config: serde_json::Value,
+}
+
+fn empty_object() -> serde_json::Value {
+    serde_json::Value::Object(Default::default())
+}
+
+/// Parses the `filters` query parameter: a JSON array of filter specs.
+pub fn parse_specs(text: &str) -> Result<Vec<FilterSpec>, String> {
+    let specs: Vec<FilterSpec> = serde_json::from_str(text).map_err(|e| {
+        format!("invalid filters parameter (expected [{{\"plugin\":NAME,\"config\":{{...}}}}, ...]): {e}")
+    })?;
+    if specs.is_empty() {
+        return Err("invalid filters parameter: the list is empty".into());
+    }
+    Ok(specs)
+}
+
+/// What a change becomes for the subscribers of a group.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Keep,
+    Drop,
+    /// The full message to send instead (`["data",{...}]`).
+    Replace(Arc<str>),
+}
+
+/// Outcomes of recent changes, by the address of their shared text. Each
+/// entry holds its text, so the address cannot be reused while cached.
+struct Cache {
+    map: HashMap<usize, (Arc<str>, Outcome)>,
+    order: VecDeque<usize>,
+}
+
+const CACHE_ENTRIES: usize = 16_384;
+
+impl Cache {
+    fn get(&self, text: &Arc<str>) -> Option<Outcome> {
+        let (held, outcome) = self.map.get(&key(text))?;
+        Arc::ptr_eq(held, text).then(|| outcome.clone())
+    }
+
+    fn put(&mut self, text: &Arc<str>, outcome: Outcome) {
+        let k = key(text);
+        if self.map.insert(k, (text.clone(), outcome)).is_none() {
+            self.order.push_back(k);
+        }
+        while self.order.len() > CACHE_ENTRIES {
+            if let Some(old) = self.order.pop_front() {
+                self.map.remove(&old);
+            }
+        }
+    }
+}
+
+fn key(text: &Arc<str>) -> usize {
+    Arc::as_ptr(text) as *const u8 as usize
+}
+
+struct Chain {
+    filters: Vec<FilterInstance>,
+    /// Set once a filter failed; the group serves no one after that.
+    failed: Option<String>,
+}
+
+/// A filter chain shared by the subscribers that asked for the same one.
+pub struct FilterGroup {
+    /// "table-filter -> redact", for logs.
+    pub label: String,
+    chain: tokio::sync::Mutex<Chain>,
+    cache: Mutex<Cache>,
+    evaluations: std::sync::atomic::AtomicU64,
+}
+
+impl FilterGroup {
+    /// Data changes filter plugins have evaluated (cache misses).
+    pub fn evaluations(&self) -> u64 {
+        self.evaluations.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn failed(&self) -> bool {
+        self.chain.try_lock().map(|c| c.failed.is_some()).unwrap_or(false)
+    }
+
+    /// The outcome of each data message (`["data",{...}]`), in order. An
+    /// error names the filter and the cause; the group is then unusable.
+    pub async fn apply(&self, messages: &[Arc<str>]) -> Result<Vec<Outcome>, String> {
+        let mut out: Vec<Option<Outcome>> = {
+            let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
+            messages.iter().map(|m| cache.get(m)).collect()
+        };
+        if out.iter().all(Option::is_some) {
+            return Ok(out.into_iter().flatten().collect());
+        }
+        let mut chain = self.chain.lock().await;
+        if let Some(f) = &chain.failed {
+            return Err(f.clone());
+        }
+        // Another subscriber may have evaluated them while this one waited.
+        {
+            let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
+            for (o, m) in out.iter_mut().zip(messages) {
+                if o.is_none() {
+                    *o = cache.get(m);
+                }
+            }
+        }
+        let misses: Vec<usize> = (0..messages.len()).filter(|i| out[*i].is_none()).collect();
+        let evaluated = match evaluate(&mut chain.filters, misses.iter().map(|i| &messages[*i])).await {
+            Ok(e) => e,
+            Err(e) => {
+                chain.failed = Some(e.clone());
+                return Err(e);
+            }
+        };
+        self.evaluations.fetch_add(misses.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let mut cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
+        for (i, outcome) in misses.into_iter().zip(evaluated) {
+            cache.put(&messages[i], outcome.clone());
+            out[i] = Some(outcome);
+        }
+        Ok(out.into_iter().flatten().collect())
+    }
+}
+
+/// Runs data messages through each filter of the chain in turn.
+async fn evaluate<'a>(
+    filters: &mut [FilterInstance],
+    messages: impl Iterator<Item = &'a Arc<str>>,
+) -> Result<Vec<Outcome>, String> {
+    // (current inner object, dropped, replaced)
+    let mut items: Vec<(String, bool, bool)> = messages.map(|m| (inner_object(m).to_string(), false, false)).collect();
+    for filter in filters.iter_mut() {
+        let mut batch = Vec::new();
+        let mut index = Vec::new();
+        for (i, (inner, dropped, _)) in items.iter_mut().enumerate() {
+            if *dropped {
+                continue;
+            }
+            match route(inner) {
+                Route::Row { schema, name, .. } => match filter.policy(schema, name).await? {
+                    TablePolicy::KeepAll => continue,
+                    TablePolicy::DropAll => *dropped = true,
+                    TablePolicy::Inspect => {
+                        batch.push(Change { tag: route::tag(inner).to_string(), json: inner.clone() });
+                        index.push(i);
+                    }
+                },
+                Route::Other => {
+                    batch.push(Change { tag: route::tag(inner).to_string(), json: inner.clone() });
+                    index.push(i);
+                }
+            }
+        }
+        if batch.is_empty() {
+            continue;
+        }
+        let decisions = filter.apply(&batch).await?;
+        for (i, d) in index.into_iter().zip(decisions) {
+            match d {
+                Decision::Keep => {}
+                Decision::Drop => items[i].1 = true,
+                Decision::Replace(text) => {
+                    let doc = crate::change::json::validate(&text)
+                        .map_err(|e| format!("filter plugin {} replaced a change with {e}", filter.name()))?;
+                    if !doc.starts_with('{') {
+                        return Err(format!(
+                            "filter plugin {} replaced a change with something that is not a JSON object",
+                            filter.name()
+                        ));
+                    }
+                    items[i].0 = doc.to_string();
+                    items[i].2 = true;
+                }
+            }
+        }
+    }
+    Ok(items
+        .into_iter()
+        .map(|(inner, dropped, replaced)| match (dropped, replaced) {
+            (true, _) => Outcome::Drop,
+            (false, true) => Outcome::Replace(Arc::from(format!("[\"data\",{inner}]"))),
+            (false, false) => Outcome::Keep,
+        })
+        .collect())
+}
+
+/// `{...}` of a `["data",{...}]` message.
+fn inner_object(message: &str) -> &str {
+    message.strip_prefix("[\"data\",").and_then(|m| m.strip_suffix(']')).unwrap_or(message)
+}
+
+/// Whether a message is a data or schema change (what filters see).
+pub fn is_data(message: &str) -> bool {
+    message.starts_with("[\"data\",")
+}
+
+/// Creates and shares filter groups.
+pub struct FilterHost {
+    registry: Option<Arc<Registry>>,
+    limits: Limits,
+    groups: tokio::sync::Mutex<HashMap<String, Weak<FilterGroup>>>,
+}
+
+impl FilterHost {
+    /// `registry`: the plugin directory, if there is one.
+    pub fn new(registry: Option<Arc<Registry>>, limits: Limits) -> Arc<FilterHost> {
+        Arc::new(FilterHost { registry, limits, groups: Default::default() })
+    }
+
+    /// No filters available (no plugin directory).
+    pub fn none() -> Arc<FilterHost> {
+        Self::new(None, Limits::default())
+    }
+
+    /// The group for `specs`, shared with subscribers that asked for the same
+    /// chain, or an error naming the plugin and the cause.
+    pub async fn group(&self, specs: &[FilterSpec]) -> Result<Arc<FilterGroup>, String> {
+        let key = serde_json::to_string(specs).map_err(|e| e.to_string())?;
+        let mut groups = self.groups.lock().await;
+        if let Some(g) = groups.get(&key).and_then(Weak::upgrade).filter(|g| !g.failed()) {
+            return Ok(g);
+        }
+        groups.retain(|_, g| g.strong_count() > 0);
+        let registry =
+            self.registry.as_ref().ok_or("filters are not available: sluice runs without a plugin directory")?;
+        let mut filters = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let (engine, pre) = registry.filter(&spec.plugin)?;
+            let config = spec.config.to_string();
+            filters.push(FilterInstance::create(&engine, &pre, &spec.plugin, &config, self.limits).await?);
+        }
+        let label = specs.iter().map(|s| s.plugin.as_str()).collect::<Vec<_>>().join(" -> ");
+        let group = Arc::new(FilterGroup {
+            label,
+            chain: tokio::sync::Mutex::new(Chain { filters, failed: None }),
+            cache: Mutex::new(Cache { map: HashMap::new(), order: VecDeque::new() }),
+            evaluations: Default::default(),
+        });
+        groups.insert(key, Arc::downgrade(&group));
+        Ok(group)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_with_clear_errors() {
+        let specs = parse_specs(r#"[{"plugin":"table-filter","config":{"include":["public.*"]}},{"plugin":"redact"}]"#)
+            .unwrap();
+        assert_eq!(specs.len(), 2);
+        assert_eq!(specs[1].config, serde_json::json!({}));
+        assert!(parse_specs("[]").unwrap_err().contains("empty"));
+        assert!(parse_specs("{").unwrap_err().contains("invalid filters parameter"));
+        assert!(parse_specs(r#"[{"plugin":"x","other":1}]"#).unwrap_err().contains("unknown field"));
+    }
+
+    #[test]
+    fn the_cache_holds_what_it_keys() {
+        let mut c = Cache { map: HashMap::new(), order: VecDeque::new() };
+        let a: Arc<str> = Arc::from("[\"data\",{}]");
+        let same_text: Arc<str> = Arc::from("[\"data\",{}]");
+        c.put(&a, Outcome::Drop);
+        assert_eq!(c.get(&a), Some(Outcome::Drop));
+        assert_eq!(c.get(&same_text), None, "only the same shared text hits");
+        for i in 0..CACHE_ENTRIES + 10 {
+            c.put(&Arc::from(format!("{i}")), Outcome::Keep);
+        }
+        assert_eq!(c.get(&a), None, "the oldest entries go first");
+        assert!(c.map.len() <= CACHE_ENTRIES);
+    }
+}

@@ -1,0 +1,56 @@
+//! Which table a change object is about, read from the front of its JSON
+//! without parsing the rest. The encoder writes row changes as
+//! `{"tag":"insert","relation":{"schema":"S","name":"N",...` and replays them
+//! byte for byte, so the fast path covers every row change; anything else
+//! (schema changes, truncate, names with escapes) goes to the filter.
+
+pub enum Route<'a> {
+    /// An insert, update or delete of `schema.name`.
+    Row {
+        tag: &'a str,
+        schema: &'a str,
+        name: &'a str,
+    },
+    Other,
+}
+
+/// A JSON string's contents up to its closing quote, if it has no escapes.
+fn plain_string(s: &str) -> Option<(&str, &str)> {
+    let end = s.find(['"', '\\'])?;
+    (s.as_bytes()[end] == b'"').then(|| (&s[..end], &s[end + 1..]))
+}
+
+pub fn route(inner: &str) -> Route<'_> {
+    let row = || -> Option<Route<'_>> {
+        let (tag, rest) = plain_string(inner.strip_prefix("{\"tag\":\"")?)?;
+        if !matches!(tag, "insert" | "update" | "delete") {
+            return None;
+        }
+        let (schema, rest) = plain_string(rest.strip_prefix(",\"relation\":{\"schema\":\"")?)?;
+        let (name, _) = plain_string(rest.strip_prefix(",\"name\":\"")?)?;
+        Some(Route::Row { tag, schema, name })
+    };
+    row().unwrap_or(Route::Other)
+}
+
+/// The `tag` of a change object ("" when it cannot be read cheaply).
+pub fn tag(inner: &str) -> &str {
+    inner.strip_prefix("{\"tag\":\"").and_then(plain_string).map(|(t, _)| t).unwrap_or("")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_route_by_table() {
+        let insert = r#"{"tag":"insert","relation":{"schema":"public","name":"items","rowKey":{}},"new":{}}"#;
+        assert!(matches!(route(insert), Route::Row { tag: "insert", schema: "public", name: "items" }));
+        let escaped = r#"{"tag":"delete","relation":{"schema":"pub\"lic","name":"x"},"key":{}}"#;
+        assert!(matches!(route(escaped), Route::Other));
+        let ddl = r#"{"tag":"create-table","spec":{"schema":"public","name":"t"}}"#;
+        assert!(matches!(route(ddl), Route::Other));
+        assert_eq!(tag(ddl), "create-table");
+        assert_eq!(tag("{}"), "");
+    }
+}
