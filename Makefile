@@ -50,6 +50,8 @@ fmt:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --target wasm32-wasip2 $(addprefix -p ,$(PLUGINS)) -- -D warnings
+	$(CARGO) clippy -p filter-kit --all-targets -- -D warnings
 
 clean:
 	$(CARGO) clean

@@ -216,7 +216,7 @@ impl State {
             let (table, values) = self.row(tx, k - 1);
             return Message::Insert(Insert { relation: table, new: values });
         }
-        if matches!(self.config.rollback_every, Some(n) if n > 0 && tx % n == 0) {
+        if matches!(self.config.rollback_every, Some(n) if n > 0 && tx.is_multiple_of(n)) {
             Message::Rollback
         } else {
             let extra = self.config.timestamps.then(|| {
@@ -231,7 +231,7 @@ impl State {
     }
 
     fn interrupt_due(&self) -> bool {
-        !self.interrupted && self.config.interrupt_every.is_some_and(|n| n > 0 && (self.txs_since_open + 1) % n == 0)
+        !self.interrupted && self.config.interrupt_every.is_some_and(|n| n > 0 && (self.txs_since_open + 1).is_multiple_of(n))
     }
 
     fn fault_due(&self) -> bool {

@@ -113,12 +113,16 @@ impl Redact {
                 a | b
             }
             "create-table" => {
+                let keys: Vec<String> = v["spec"]["primaryKey"]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|k| k.as_str().map(str::to_string)).collect())
+                    .unwrap_or_default();
                 let mut changed = false;
                 if let Some(cols) = v["spec"]["columns"].as_object_mut() {
                     let before = cols.len();
-                    cols.retain(|name, _| !dropped(name));
+                    cols.retain(|name, _| keys.contains(name) || !dropped(name));
                     changed |= cols.len() != before;
-                    for (name, spec) in cols.iter_mut() {
+                    for (name, spec) in cols.iter_mut().filter(|(name, _)| !keys.contains(name)) {
                         changed |= self.spec(name, spec);
                     }
                 }
