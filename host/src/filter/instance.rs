@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use wasmtime::component::ResourceAny;
 use wasmtime::{Engine, Store};
 
-use crate::plugin::bindings::filter::exports::sluice::plugin::filter::{Change, Decision, TablePolicy};
+use crate::plugin::bindings::filter::exports::sluice::plugin::filter::{Batch, Decision, TablePolicy};
 use crate::plugin::bindings::filter::{FilterPlugin, FilterPluginPre};
 use crate::plugin::{describe_failure, new_store, HostState, Limits, NetGrant};
 use crate::source::model::PluginError;
@@ -18,8 +18,9 @@ pub struct FilterInstance {
     plugin: FilterPlugin,
     handle: ResourceAny,
     limits: Limits,
-    /// Answers of `table-policy`, asked once per table.
-    policies: HashMap<(String, String), TablePolicy>,
+    /// Answers of `table-policy`, asked once per table (by schema, then
+    /// name, so a lookup allocates nothing).
+    policies: HashMap<String, HashMap<String, TablePolicy>>,
 }
 
 impl FilterInstance {
@@ -56,7 +57,7 @@ impl FilterInstance {
     }
 
     pub async fn policy(&mut self, schema: &str, table: &str) -> Result<TablePolicy, String> {
-        if let Some(p) = self.policies.get(&(schema.to_string(), table.to_string())) {
+        if let Some(p) = self.policies.get(schema).and_then(|t| t.get(table)) {
             return Ok(*p);
         }
         self.store.data_mut().arm_deadline(self.limits.call_deadline);
@@ -65,23 +66,31 @@ impl FilterInstance {
             Ok(p) => p,
             Err(e) => return Err(self.failure(e)),
         };
-        self.policies.insert((schema.to_string(), table.to_string()), policy);
+        self.policies.entry(schema.to_string()).or_default().insert(table.to_string(), policy);
         Ok(policy)
     }
 
-    pub async fn apply(&mut self, batch: &[Change]) -> Result<Vec<Decision>, String> {
+    /// Decisions for change objects (JSON texts), one per change.
+    pub async fn apply(&mut self, changes: &[&str]) -> Result<Vec<Decision>, String> {
+        let mut texts = String::with_capacity(changes.iter().map(|c| c.len()).sum());
+        let mut ends = Vec::with_capacity(changes.len());
+        for c in changes {
+            texts.push_str(c);
+            ends.push(texts.len() as u32);
+        }
+        let batch = Batch { texts, ends };
         self.store.data_mut().arm_deadline(self.limits.call_deadline);
         let filter = self.plugin.sluice_plugin_filter().change_filter();
-        let decisions = match filter.call_apply(&mut self.store, self.handle, batch).await {
+        let decisions = match filter.call_apply(&mut self.store, self.handle, &batch).await {
             Ok(d) => d,
             Err(e) => return Err(self.failure(e)),
         };
-        if decisions.len() != batch.len() {
+        if decisions.len() != changes.len() {
             return Err(format!(
                 "filter plugin {} answered {} decisions for {} changes",
                 self.name,
                 decisions.len(),
-                batch.len()
+                changes.len()
             ));
         }
         Ok(decisions)

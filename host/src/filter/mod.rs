@@ -13,14 +13,14 @@ mod instance;
 mod route;
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use serde::{Deserialize, Serialize};
 
 pub use instance::FilterInstance;
 pub use route::{route, Route};
 
-use crate::plugin::bindings::filter::exports::sluice::plugin::filter::{Change, Decision, TablePolicy};
+use crate::plugin::bindings::filter::exports::sluice::plugin::filter::{Decision, TablePolicy};
 use crate::plugin::{Limits, Registry};
 
 /// One filter of a chain, as a subscriber asks for it.
@@ -100,7 +100,11 @@ pub struct FilterGroup {
     pub label: String,
     chain: tokio::sync::Mutex<Chain>,
     cache: Mutex<Cache>,
+    /// Per table (schema, then name): the chain's verdict for all its rows.
+    tables: RwLock<HashMap<String, HashMap<String, Option<Outcome>>>>,
     evaluations: std::sync::atomic::AtomicU64,
+    /// A filter failed (see `Chain::failed`).
+    broken: std::sync::atomic::AtomicBool,
 }
 
 impl FilterGroup {
@@ -110,16 +114,42 @@ impl FilterGroup {
     }
 
     fn failed(&self) -> bool {
-        self.chain.try_lock().map(|c| c.failed.is_some()).unwrap_or(false)
+        self.broken.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// What the chain does with every row change of a table, once known:
+    /// keep all, drop all, or `None` (inspect each).
+    fn table_verdict(&self, schema: &str, name: &str) -> Option<Option<Outcome>> {
+        let tables = self.tables.read().ok()?;
+        tables.get(schema).and_then(|t| t.get(name)).cloned()
     }
 
     /// The outcome of each data message (`["data",{...}]`), in order. An
     /// error names the filter and the cause; the group is then unusable.
     pub async fn apply(&self, messages: &[Arc<str>]) -> Result<Vec<Outcome>, String> {
-        let mut out: Vec<Option<Outcome>> = {
+        if self.broken.load(std::sync::atomic::Ordering::Acquire) {
+            let chain = self.chain.lock().await;
+            return Err(chain.failed.clone().unwrap_or_else(|| "the filter failed".into()));
+        }
+        // Row changes of tables the chain decides by table cost a lookup.
+        let mut out: Vec<Option<Outcome>> = messages
+            .iter()
+            .map(|m| match route(inner_object(m)) {
+                Route::Row { schema, name, .. } => self.table_verdict(schema, name).flatten(),
+                Route::Other => None,
+            })
+            .collect();
+        if out.iter().all(Option::is_some) {
+            return Ok(out.into_iter().flatten().collect());
+        }
+        {
             let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
-            messages.iter().map(|m| cache.get(m)).collect()
-        };
+            for (o, m) in out.iter_mut().zip(messages) {
+                if o.is_none() {
+                    *o = cache.get(m);
+                }
+            }
+        }
         if out.iter().all(Option::is_some) {
             return Ok(out.into_iter().flatten().collect());
         }
@@ -141,56 +171,119 @@ impl FilterGroup {
             Ok(e) => e,
             Err(e) => {
                 chain.failed = Some(e.clone());
+                self.broken.store(true, std::sync::atomic::Ordering::Release);
                 return Err(e);
             }
         };
         self.evaluations.fetch_add(misses.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        let mut cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
-        for (i, outcome) in misses.into_iter().zip(evaluated) {
-            cache.put(&messages[i], outcome.clone());
-            out[i] = Some(outcome);
+        let mut learned = Vec::new();
+        {
+            let mut cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
+            for (i, outcome) in misses.into_iter().zip(evaluated) {
+                match route(inner_object(&messages[i])) {
+                    Route::Row { schema, name, .. } if self.table_verdict(schema, name).is_none() => {
+                        learned.push((schema.to_string(), name.to_string()));
+                        cache.put(&messages[i], outcome.clone());
+                    }
+                    Route::Row { schema, name, .. } if self.table_verdict(schema, name) == Some(None) => {
+                        cache.put(&messages[i], outcome.clone())
+                    }
+                    Route::Row { .. } => {}
+                    Route::Other => cache.put(&messages[i], outcome.clone()),
+                }
+                out[i] = Some(outcome);
+            }
+        }
+        // The policies of these tables are known now (no plugin call).
+        for (schema, name) in learned {
+            let mut verdict = Some(Outcome::Keep);
+            for filter in chain.filters.iter_mut() {
+                match filter.policy(&schema, &name).await? {
+                    TablePolicy::KeepAll => {}
+                    TablePolicy::DropAll => {
+                        verdict = Some(Outcome::Drop);
+                        break;
+                    }
+                    TablePolicy::Inspect => {
+                        verdict = None;
+                        break;
+                    }
+                }
+            }
+            if let Ok(mut tables) = self.tables.write() {
+                tables.entry(schema).or_default().insert(name, verdict);
+            }
         }
         Ok(out.into_iter().flatten().collect())
     }
 }
 
-/// Runs data messages through each filter of the chain in turn.
+/// One change on its way through the chain.
+struct Item<'a> {
+    /// The message as it arrived.
+    original: &'a Arc<str>,
+    /// The inner object a filter replaced it with.
+    replaced: Option<String>,
+    dropped: bool,
+}
+
+impl Item<'_> {
+    fn inner(&self) -> &str {
+        self.replaced.as_deref().unwrap_or_else(|| inner_object(self.original))
+    }
+}
+
+/// The table of a row change whose names the fast route could not read.
+fn slow_row_table(inner: &str) -> Option<(String, String)> {
+    #[derive(Deserialize)]
+    struct Rel {
+        schema: String,
+        name: String,
+    }
+    #[derive(Deserialize)]
+    struct Row {
+        tag: String,
+        relation: Rel,
+    }
+    let row: Row = serde_json::from_str(inner).ok()?;
+    matches!(row.tag.as_str(), "insert" | "update" | "delete").then_some((row.relation.schema, row.relation.name))
+}
+
+/// Runs data messages through each filter of the chain in turn. Only the
+/// changes a filter must inspect are copied across its boundary.
 async fn evaluate<'a>(
     filters: &mut [FilterInstance],
     messages: impl Iterator<Item = &'a Arc<str>>,
 ) -> Result<Vec<Outcome>, String> {
-    // (current inner object, dropped, replaced)
-    let mut items: Vec<(String, bool, bool)> = messages.map(|m| (inner_object(m).to_string(), false, false)).collect();
+    let mut items: Vec<Item<'_>> = messages.map(|m| Item { original: m, replaced: None, dropped: false }).collect();
     for filter in filters.iter_mut() {
-        let mut batch = Vec::new();
         let mut index = Vec::new();
-        for (i, (inner, dropped, _)) in items.iter_mut().enumerate() {
-            if *dropped {
+        for (i, item) in items.iter_mut().enumerate() {
+            if item.dropped {
                 continue;
             }
-            match route(inner) {
-                Route::Row { schema, name, .. } => match filter.policy(schema, name).await? {
-                    TablePolicy::KeepAll => continue,
-                    TablePolicy::DropAll => *dropped = true,
-                    TablePolicy::Inspect => {
-                        batch.push(Change { tag: route::tag(inner).to_string(), json: inner.clone() });
-                        index.push(i);
-                    }
+            let policy = match route(item.inner()) {
+                Route::Row { schema, name, .. } => Some(filter.policy(schema, name).await?),
+                Route::Other => match slow_row_table(item.inner()) {
+                    Some((schema, name)) => Some(filter.policy(&schema, &name).await?),
+                    None => None,
                 },
-                Route::Other => {
-                    batch.push(Change { tag: route::tag(inner).to_string(), json: inner.clone() });
-                    index.push(i);
-                }
+            };
+            match policy {
+                Some(TablePolicy::KeepAll) => {}
+                Some(TablePolicy::DropAll) => item.dropped = true,
+                Some(TablePolicy::Inspect) | None => index.push(i),
             }
         }
-        if batch.is_empty() {
+        if index.is_empty() {
             continue;
         }
+        let batch: Vec<&str> = index.iter().map(|i| items[*i].inner()).collect();
         let decisions = filter.apply(&batch).await?;
         for (i, d) in index.into_iter().zip(decisions) {
             match d {
                 Decision::Keep => {}
-                Decision::Drop => items[i].1 = true,
+                Decision::Drop => items[i].dropped = true,
                 Decision::Replace(text) => {
                     let doc = crate::change::json::validate(&text)
                         .map_err(|e| format!("filter plugin {} replaced a change with {e}", filter.name()))?;
@@ -200,18 +293,17 @@ async fn evaluate<'a>(
                             filter.name()
                         ));
                     }
-                    items[i].0 = doc.to_string();
-                    items[i].2 = true;
+                    items[i].replaced = Some(doc.to_string());
                 }
             }
         }
     }
     Ok(items
         .into_iter()
-        .map(|(inner, dropped, replaced)| match (dropped, replaced) {
+        .map(|item| match (item.dropped, item.replaced) {
             (true, _) => Outcome::Drop,
-            (false, true) => Outcome::Replace(Arc::from(format!("[\"data\",{inner}]"))),
-            (false, false) => Outcome::Keep,
+            (false, Some(inner)) => Outcome::Replace(Arc::from(format!("[\"data\",{inner}]"))),
+            (false, None) => Outcome::Keep,
         })
         .collect())
 }
@@ -266,7 +358,9 @@ impl FilterHost {
             label,
             chain: tokio::sync::Mutex::new(Chain { filters, failed: None }),
             cache: Mutex::new(Cache { map: HashMap::new(), order: VecDeque::new() }),
+            tables: RwLock::new(HashMap::new()),
             evaluations: Default::default(),
+            broken: Default::default(),
         });
         groups.insert(key, Arc::downgrade(&group));
         Ok(group)

@@ -33,11 +33,6 @@ pub fn route(inner: &str) -> Route<'_> {
     row().unwrap_or(Route::Other)
 }
 
-/// The `tag` of a change object ("" when it cannot be read cheaply).
-pub fn tag(inner: &str) -> &str {
-    inner.strip_prefix("{\"tag\":\"").and_then(plain_string).map(|(t, _)| t).unwrap_or("")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -50,7 +45,5 @@ mod tests {
         assert!(matches!(route(escaped), Route::Other));
         let ddl = r#"{"tag":"create-table","spec":{"schema":"public","name":"t"}}"#;
         assert!(matches!(route(ddl), Route::Other));
-        assert_eq!(tag(ddl), "create-table");
-        assert_eq!(tag("{}"), "");
     }
 }

@@ -1,7 +1,88 @@
-//! Shared pieces of the bundled filter plugins: `schema.table` glob patterns
-//! and reading Zero's change objects (the JSON a filter receives).
+//! Shared pieces of the bundled filter plugins: `schema.table` glob patterns,
+//! reading Zero's change objects (the JSON a filter receives), the three
+//! bundled filters as plain Rust (so they are tested and benchmarked natively
+//! too), and [`export_filter!`], the WIT glue that turns one into a plugin.
 
+pub mod redact;
+pub mod row;
+pub mod table;
+
+use std::borrow::Cow;
+
+use serde::de::{Deserializer, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::Value;
+
+/// How a filter treats one table's row changes (the WIT `table-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    KeepAll,
+    DropAll,
+    Inspect,
+}
+
+/// What becomes of one change (the WIT `decision`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Keep,
+    Drop,
+    Replace(String),
+}
+
+/// A filter's logic, independent of the plugin boundary.
+pub trait Filter: Sized {
+    /// Builds the filter from the subscriber's configuration (JSON text).
+    fn from_config(config: &str) -> Result<Self, String>;
+    fn policy(&self, schema: &str, table: &str) -> Policy;
+    /// Decides one change object (`tag` and its JSON text).
+    fn decide(&self, tag: &str, json: &str) -> Verdict;
+}
+
+/// Exports a [`Filter`] as a `filter-plugin` component. Invoke it once at the
+/// root of a `cdylib` crate in `plugins/` (the WIT path is relative to it).
+#[macro_export]
+macro_rules! export_filter {
+    ($filter:ty) => {
+        wit_bindgen::generate!({ path: "../../wit", world: "filter-plugin" });
+
+        use exports::sluice::plugin::filter::{Batch, ChangeFilter, Decision, Guest, GuestChangeFilter, TablePolicy};
+        use sluice::plugin::types::PluginError;
+
+        struct Component;
+        struct Instance($filter);
+
+        impl Guest for Component {
+            type ChangeFilter = Instance;
+            fn create(config: String) -> Result<ChangeFilter, PluginError> {
+                <$filter as $crate::Filter>::from_config(&config)
+                    .map(|f| ChangeFilter::new(Instance(f)))
+                    .map_err(PluginError::InvalidConfig)
+            }
+        }
+
+        impl GuestChangeFilter for Instance {
+            fn table_policy(&self, schema: String, name: String) -> TablePolicy {
+                match $crate::Filter::policy(&self.0, &schema, &name) {
+                    $crate::Policy::KeepAll => TablePolicy::KeepAll,
+                    $crate::Policy::DropAll => TablePolicy::DropAll,
+                    $crate::Policy::Inspect => TablePolicy::Inspect,
+                }
+            }
+            fn apply(&self, batch: Batch) -> Vec<Decision> {
+                $crate::split(&batch.texts, &batch.ends)
+                    .map(|json| match $crate::Filter::decide(&self.0, $crate::tag_of(json), json) {
+                        $crate::Verdict::Keep => Decision::Keep,
+                        $crate::Verdict::Drop => Decision::Drop,
+                        $crate::Verdict::Replace(text) => Decision::Replace(text),
+                    })
+                    .collect()
+            }
+        }
+
+        export!(Component);
+    };
+}
 
 /// `*` matches any run of characters, `?` any one character.
 pub fn glob_match(pattern: &str, text: &str) -> bool {
@@ -51,6 +132,70 @@ impl TablePatterns {
         let included = self.include.is_empty() || self.include.iter().any(|p| glob_match(p, &full));
         included && !self.exclude.iter().any(|p| glob_match(p, &full))
     }
+}
+
+/// A row change, its parts left as raw JSON until needed.
+#[derive(Deserialize)]
+pub struct RowChange<'a> {
+    #[serde(borrow)]
+    pub relation: &'a RawValue,
+    #[serde(borrow, default)]
+    pub key: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub new: Option<&'a RawValue>,
+}
+
+/// A JSON object key, borrowed when it has no escapes.
+pub struct Key<'de>(pub Cow<'de, str>);
+
+impl<'de> Deserialize<'de> for Key<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v.to_string())))
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+/// The row-key columns named by a relation's raw JSON.
+pub fn key_columns(relation: &RawValue) -> Vec<String> {
+    #[derive(Deserialize)]
+    struct RowKey {
+        #[serde(default)]
+        columns: Vec<String>,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Rel {
+        row_key: RowKey,
+    }
+    serde_json::from_str::<Rel>(relation.get()).map(|r| r.row_key.columns).unwrap_or_default()
+}
+
+/// The change texts of a batch (`texts` cut at `ends`); a bad offset ends
+/// the iteration early, which the host reports as a wrong decision count.
+pub fn split<'a>(texts: &'a str, ends: &'a [u32]) -> impl Iterator<Item = &'a str> + 'a {
+    let mut start = 0usize;
+    ends.iter().map_while(move |&end| {
+        let piece = texts.get(start..end as usize)?;
+        start = end as usize;
+        Some(piece)
+    })
+}
+
+/// The `tag` of a change object, read from its front (`{"tag":"insert",...`).
+pub fn tag_of(json: &str) -> &str {
+    json.strip_prefix("{\"tag\":\"").and_then(|r| r.split_once('"')).map(|(t, _)| t).unwrap_or("")
 }
 
 /// `{"schema":..,"name":..}` as a pair.

@@ -231,7 +231,8 @@ impl State {
     }
 
     fn interrupt_due(&self) -> bool {
-        !self.interrupted && self.config.interrupt_every.is_some_and(|n| n > 0 && (self.txs_since_open + 1).is_multiple_of(n))
+        !self.interrupted
+            && self.config.interrupt_every.is_some_and(|n| n > 0 && (self.txs_since_open + 1).is_multiple_of(n))
     }
 
     fn fault_due(&self) -> bool {

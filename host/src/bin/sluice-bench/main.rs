@@ -15,6 +15,7 @@ use sluice::storage::sqlite::{Durability, SqliteChangeLog};
 use sluice::streamer::{Streamer, StreamerOptions};
 use tokio::sync::watch;
 
+mod filters;
 mod pg_source;
 
 fn plugin_dir() -> PathBuf {
@@ -26,7 +27,7 @@ async fn main() -> anyhow::Result<()> {
     let tmp = std::env::temp_dir().join(format!("sluice-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
     let registry = Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?;
-    // `sluice-bench [boundary|store|postgres|pgsource|fanout|catchup ...]`: all by default.
+    // `sluice-bench [boundary|store|postgres|pgsource|fanout|filters|catchup ...]`: all by default.
     let only: Vec<String> = std::env::args().skip(1).collect();
     let run = |section: &str| only.is_empty() || only.iter().any(|o| o == section);
     println!("# Sluice benchmarks ({} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
@@ -78,6 +79,14 @@ async fn main() -> anyhow::Result<()> {
                 fanout(&tmp, n, 100.0).await?;
             }
             fanout(&tmp, n, 1000.0).await?;
+        }
+    }
+    if run("filters") {
+        println!("\n## Filters: cost per change evaluation (host routing + cache + plugin boundary + logic)");
+        filters::per_change(&tmp).await?;
+        println!("\n## Filters: fan-out to 100 subscribers (2,000 transactions of 10 rows, source unthrottled)");
+        for f in [FanoutFilter::None, FanoutFilter::Shared, FanoutFilter::Distinct] {
+            fanout_with(&tmp, 100, 0.0, 2_000, f).await?;
         }
     }
     if run("catchup") {
@@ -147,10 +156,10 @@ fn split_frame(text: &str) -> anyhow::Result<(u64, &str)> {
 }
 
 /// One subscriber in the bench process: counts changes, measures commit latency.
-async fn bench_subscriber(addr: String, id: usize, last: String) -> anyhow::Result<(u64, Vec<u64>)> {
+async fn bench_subscriber(addr: String, id: usize, last: String, extra: String) -> anyhow::Result<(u64, Vec<u64>)> {
     use futures::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message as Ws;
-    let url = format!("ws://{addr}/replication/v6/changes?id=bench-{id}&replicaVersion=00&watermark=00");
+    let url = format!("ws://{addr}/replication/v6/changes?id=bench-{id}&replicaVersion=00&watermark=00{extra}");
     let (mut ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await?;
     let (mut changes, mut latencies) = (0u64, Vec::new());
     while let Some(frame) = ws.next().await {
@@ -176,11 +185,25 @@ async fn bench_subscriber(addr: String, id: usize, last: String) -> anyhow::Resu
     Ok((changes, latencies))
 }
 
+/// Which filters the fan-out subscribers use.
+#[derive(Clone, Copy, PartialEq)]
+enum FanoutFilter {
+    None,
+    /// One row-filter configuration for all.
+    Shared,
+    /// A row-filter configuration of its own for each subscriber.
+    Distinct,
+}
+
 async fn fanout(tmp: &Path, subscribers: usize, rate: f64) -> anyhow::Result<()> {
     // Throttled runs last about five seconds.
     let txs: u64 = if rate > 0.0 { (rate * 5.0) as u64 } else { 200_000 / subscribers.min(10) as u64 };
+    fanout_with(tmp, subscribers, rate, txs, FanoutFilter::None).await
+}
+
+async fn fanout_with(tmp: &Path, subscribers: usize, rate: f64, txs: u64, filter: FanoutFilter) -> anyhow::Result<()> {
     let addr = free_addr();
-    let db = tmp.join(format!("fanout-{subscribers}-{rate}.db"));
+    let db = tmp.join(format!("fanout-{subscribers}-{rate}-{txs}-{}.db", filter as u8));
     let config =
         serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": 100, "rate": rate, "timestamps": true});
     // Subscribers connect at the replica version while the source runs;
@@ -204,8 +227,25 @@ async fn fanout(tmp: &Path, subscribers: usize, rate: f64) -> anyhow::Result<()>
     }
     let last = sluice::watermark::to_lexi(txs as u128);
     let t0 = Instant::now();
+    let extra = |i: usize| {
+        // Every row passes (ids stay far below the bound), so the figures
+        // compare with the unfiltered run; only the evaluation is added.
+        let bound = match filter {
+            FanoutFilter::None => return String::new(),
+            FanoutFilter::Shared => 1_000_000_000u64,
+            FanoutFilter::Distinct => 1_000_000_000 + i as u64,
+        };
+        let spec = serde_json::json!([{"plugin": "row-filter", "config":
+            {"table": "public.*", "where": {"column": "id", "op": "<", "value": bound}}}]);
+        let encoded: String = spec
+            .to_string()
+            .bytes()
+            .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
+            .collect();
+        format!("&filters={encoded}")
+    };
     let tasks: Vec<_> =
-        (0..subscribers).map(|i| tokio::spawn(bench_subscriber(addr.clone(), i, last.clone()))).collect();
+        (0..subscribers).map(|i| tokio::spawn(bench_subscriber(addr.clone(), i, last.clone(), extra(i)))).collect();
     let mut changes = 0u64;
     let mut latencies = Vec::new();
     for t in tasks {
@@ -218,8 +258,13 @@ async fn fanout(tmp: &Path, subscribers: usize, rate: f64) -> anyhow::Result<()>
     let _ = child.kill();
     let _ = child.wait();
     latencies.sort_unstable();
+    let filtered = match filter {
+        FanoutFilter::None => "",
+        FanoutFilter::Shared => ", one shared row-filter",
+        FanoutFilter::Distinct => ", a row-filter config each",
+    };
     println!(
-        "{subscribers:>3} subscribers, {}: {:>9.0} changes/s delivered in total, commit latency p50 {:>7.2} ms p99 {:>7.2} ms, sluice peak RSS {:.0} MiB",
+        "{subscribers:>3} subscribers{filtered}, {}: {:>9.0} changes/s delivered in total, commit latency p50 {:>7.2} ms p99 {:>7.2} ms, sluice peak RSS {:.0} MiB",
         if rate > 0.0 { format!("source at {rate:.0} tx/s") } else { "source unthrottled".to_string() },
         changes as f64 / secs,
         percentile(&latencies, 0.5),
@@ -258,7 +303,7 @@ async fn catchup(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let t0 = Instant::now();
-    let (changes, _) = bench_subscriber(addr.to_string(), 0, last).await?;
+    let (changes, _) = bench_subscriber(addr.to_string(), 0, last, String::new()).await?;
     let secs = t0.elapsed().as_secs_f64();
     println!(
         "{label}: replayed {changes} changes ({} messages with begin/commit) in {secs:.2} s: {:.0} changes/s",

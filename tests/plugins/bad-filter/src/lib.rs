@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 wit_bindgen::generate!({ path: "../../../wit", world: "filter-plugin" });
 
-use exports::sluice::plugin::filter::{Change, ChangeFilter, Decision, Guest, GuestChangeFilter, TablePolicy};
+use exports::sluice::plugin::filter::{Batch, ChangeFilter, Decision, Guest, GuestChangeFilter, TablePolicy};
 use sluice::plugin::types::PluginError;
 
 #[derive(Deserialize)]
@@ -46,7 +46,8 @@ impl GuestChangeFilter for Bad {
         TablePolicy::Inspect
     }
 
-    fn apply(&self, batch: Vec<Change>) -> Vec<Decision> {
+    fn apply(&self, batch: Batch) -> Vec<Decision> {
+        let batch: Vec<()> = batch.ends.iter().map(|_| ()).collect();
         let seen = self.seen.get() + batch.len() as u64;
         self.seen.set(seen);
         if seen <= self.after {

@@ -1,0 +1,122 @@
+//! Cost of one filter evaluation per change: each bundled filter through the
+//! host's filter path (routing, the outcome cache, the plugin boundary and
+//! the guest's logic) at several batch sizes, beside the same logic compiled
+//! natively (`filter_kit`) and driven the same way (route, policy, decide).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use filter_kit::Filter;
+use sluice::change::{Encoder, Event};
+use sluice::filter::{route, FilterHost, FilterSpec, Route};
+use sluice::plugin::{Limits, Registry};
+use sluice::source::model::{Insert, KeyType, Message, Relation, Value};
+
+use super::plugin_dir;
+
+const CHANGES: usize = 65_536;
+
+/// Insert messages over two tables (`public.keep`, `public.skip`) with
+/// 100-byte payloads, in Zero's JSON, each its own shared text.
+fn messages() -> anyhow::Result<Vec<Arc<str>>> {
+    let mut enc = Encoder::default();
+    for (id, name) in [(1u32, "keep"), (2, "skip")] {
+        enc.encode(Message::Relation(Relation {
+            id,
+            schema: "public".into(),
+            name: name.into(),
+            columns: vec!["id".into(), "payload".into(), "n".into()],
+            key_columns: vec!["id".into()],
+            key_type: KeyType::Default,
+        }))?;
+    }
+    let payload = "x".repeat(100);
+    let mut out = Vec::with_capacity(CHANGES);
+    for i in 0..CHANGES {
+        let msg = Message::Insert(Insert {
+            relation: 1 + (i % 2) as u32,
+            new: vec![Value::Int(i as i64), Value::Text(payload.clone()), Value::Int((i % 100) as i64)],
+        });
+        if let Event::Change(c) = enc.encode(msg)? {
+            out.push(c.json.clone());
+        }
+    }
+    Ok(out)
+}
+
+fn configs() -> Vec<(&'static str, serde_json::Value)> {
+    vec![
+        ("table-filter", serde_json::json!({"exclude": ["public.skip"]})),
+        ("row-filter", serde_json::json!({"table": "public.*", "where": {"column": "n", "op": "<", "value": 50}})),
+        ("redact", serde_json::json!({"drop": ["payload"]})),
+    ]
+}
+
+/// The native logic, driven like the host drives a plugin.
+fn native<F: Filter>(filter: &F, messages: &[Arc<str>]) -> usize {
+    // By schema, then name, as the host keeps them: no allocation per lookup.
+    let mut policies: HashMap<String, HashMap<String, filter_kit::Policy>> = HashMap::new();
+    let mut kept = 0;
+    for m in messages {
+        let inner = &m[8..m.len() - 1];
+        let verdict = match route(inner) {
+            Route::Row { tag, schema, name } => {
+                let known = policies.get(schema).and_then(|t| t.get(name)).copied();
+                let policy = known.unwrap_or_else(|| {
+                    let p = filter.policy(schema, name);
+                    policies.entry(schema.to_string()).or_default().insert(name.to_string(), p);
+                    p
+                });
+                match policy {
+                    filter_kit::Policy::KeepAll => filter_kit::Verdict::Keep,
+                    filter_kit::Policy::DropAll => filter_kit::Verdict::Drop,
+                    filter_kit::Policy::Inspect => filter.decide(tag, inner),
+                }
+            }
+            Route::Other => filter.decide("", inner),
+        };
+        kept += (verdict != filter_kit::Verdict::Drop) as usize;
+    }
+    kept
+}
+
+fn native_ns(name: &str, config: &str, messages: &[Arc<str>]) -> anyhow::Result<f64> {
+    let t0 = Instant::now();
+    let kept = match name {
+        "table-filter" => {
+            native(&filter_kit::table::TableFilter::from_config(config).map_err(anyhow::Error::msg)?, messages)
+        }
+        "row-filter" => native(&filter_kit::row::RowFilter::from_config(config).map_err(anyhow::Error::msg)?, messages),
+        _ => native(&filter_kit::redact::Redact::from_config(config).map_err(anyhow::Error::msg)?, messages),
+    };
+    std::hint::black_box(kept);
+    Ok(t0.elapsed().as_nanos() as f64 / messages.len() as f64)
+}
+
+pub async fn per_change(tmp: &std::path::Path) -> anyhow::Result<()> {
+    let registry = Arc::new(Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?);
+    let host = FilterHost::new(Some(registry), Limits::default());
+    for (name, config) in configs() {
+        let native = native_ns(name, &config.to_string(), &messages()?)?;
+        let mut line = format!("{name:<13} native {native:>6.0} ns/change; plugin");
+        for batch in [1usize, 64, 1024] {
+            let specs = vec![FilterSpec { plugin: name.to_string(), config: config.clone() }];
+            let group = host.group(&specs).await.map_err(anyhow::Error::msg)?;
+            // Fresh texts: every change is a cache miss and is evaluated.
+            let messages = messages()?;
+            let t0 = Instant::now();
+            let mut kept = 0;
+            for chunk in messages.chunks(batch) {
+                let outcomes = group.apply(chunk).await.map_err(anyhow::Error::msg)?;
+                kept += outcomes.iter().filter(|o| **o != sluice::filter::Outcome::Drop).count();
+            }
+            let ns = t0.elapsed().as_nanos() as f64 / messages.len() as f64;
+            line.push_str(&format!(" batch {batch:>4}: {ns:>6.0} ns"));
+            // Each of these configurations keeps half of the rows or all.
+            anyhow::ensure!(kept >= messages.len() / 2, "{name}: kept {kept} of {}", messages.len());
+        }
+        println!("{line}");
+    }
+    Ok(())
+}
