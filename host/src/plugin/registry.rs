@@ -99,50 +99,45 @@ impl Registry {
         self.plugins.iter().map(|p| &p.info)
     }
 
-    /// A source backed by the plugin called `name`.
-    pub fn source(&self, name: &str, config: String, limits: Limits, net: NetGrant) -> Result<WasmSource, String> {
+    /// The loaded plugin called `name`, or why there is none usable.
+    fn find(&self, name: &str, kind: PluginKind) -> Result<&Loaded, String> {
         let Some(p) = self.plugins.iter().find(|p| p.info.name == name) else {
             let names: Vec<&str> = self
                 .plugins
                 .iter()
-                .filter(|p| p.info.kind == Some(PluginKind::Source) && p.info.error.is_none())
+                .filter(|p| p.info.kind == Some(kind) && p.info.error.is_none())
                 .map(|p| p.info.name.as_str())
                 .collect();
             return Err(format!(
-                "unknown source {name:?}: the plugin directory has no {name}.wasm (sources available: {})",
+                "unknown {kind} {name:?}: the plugin directory has no {name}.wasm ({kind}s available: {})",
                 if names.is_empty() { "none".to_string() } else { names.join(", ") }
             ));
         };
         if let Some(err) = &p.info.error {
-            return Err(format!("source plugin {name} failed to load: {err}"));
+            return Err(format!("{kind} plugin {name} failed to load: {err}"));
         }
-        let Some(Pre::Source(pre)) = &p.pre else { return Err(format!("plugin {name} is not a source")) };
-        Ok(WasmSource::new(self.engine.clone(), name.to_string(), pre.clone(), config, limits, net))
+        if p.info.kind != Some(kind) {
+            let actual = p.info.kind.map(|k| k.to_string()).unwrap_or_default();
+            return Err(format!("plugin {name} is a {actual}, not a {kind}"));
+        }
+        Ok(p)
+    }
+
+    /// A source backed by the plugin called `name`.
+    pub fn source(&self, name: &str, config: String, limits: Limits, net: NetGrant) -> Result<WasmSource, String> {
+        match &self.find(name, PluginKind::Source)?.pre {
+            Some(Pre::Source(pre)) => {
+                Ok(WasmSource::new(self.engine.clone(), name.to_string(), pre.clone(), config, limits, net))
+            }
+            _ => Err(format!("plugin {name} is not a source")),
+        }
     }
 
     /// The filter plugin called `name`, ready to instantiate.
     pub fn filter(&self, name: &str) -> Result<(Engine, FilterPluginPre<HostState>), String> {
-        let Some(p) = self.plugins.iter().find(|p| p.info.name == name) else {
-            let names: Vec<&str> = self
-                .plugins
-                .iter()
-                .filter(|p| p.info.kind == Some(PluginKind::Filter) && p.info.error.is_none())
-                .map(|p| p.info.name.as_str())
-                .collect();
-            return Err(format!(
-                "unknown filter {name:?}: the plugin directory has no {name}.wasm (filters available: {})",
-                if names.is_empty() { "none".to_string() } else { names.join(", ") }
-            ));
-        };
-        if let Some(err) = &p.info.error {
-            return Err(format!("filter plugin {name} failed to load: {err}"));
-        }
-        match &p.pre {
+        match &self.find(name, PluginKind::Filter)?.pre {
             Some(Pre::Filter(pre)) => Ok((self.engine.clone(), pre.clone())),
-            _ => Err(format!(
-                "plugin {name} is a {}, not a filter",
-                p.info.kind.map(|k| k.to_string()).unwrap_or_default()
-            )),
+            _ => Err(format!("plugin {name} is not a filter")),
         }
     }
 }
