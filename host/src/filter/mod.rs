@@ -56,36 +56,49 @@ pub enum Outcome {
     Replace(Arc<str>),
 }
 
-/// Outcomes of recent changes, by the address of their shared text. Each
-/// entry holds its text, so the address cannot be reused while cached.
+/// Outcomes of recent changes, by their text: a live change forwarded to
+/// many subscribers and the same change replayed from the log to a
+/// catching-up one find the same entry. A lookup hashes the text once and
+/// compares it only on a hash match (most often the same shared pointer).
 struct Cache {
-    map: HashMap<usize, (Arc<str>, Outcome)>,
-    order: VecDeque<usize>,
+    map: HashMap<u64, Vec<(Arc<str>, Outcome)>>,
+    order: VecDeque<u64>,
 }
 
 const CACHE_ENTRIES: usize = 16_384;
 
 impl Cache {
     fn get(&self, text: &Arc<str>) -> Option<Outcome> {
-        let (held, outcome) = self.map.get(&key(text))?;
-        Arc::ptr_eq(held, text).then(|| outcome.clone())
+        let bucket = self.map.get(&key(text))?;
+        bucket.iter().find(|(held, _)| Arc::ptr_eq(held, text) || **held == **text).map(|(_, o)| o.clone())
     }
 
     fn put(&mut self, text: &Arc<str>, outcome: Outcome) {
         let k = key(text);
-        if self.map.insert(k, (text.clone(), outcome)).is_none() {
-            self.order.push_back(k);
+        let bucket = self.map.entry(k).or_default();
+        if bucket.iter().any(|(held, _)| **held == **text) {
+            return;
         }
+        bucket.push((text.clone(), outcome));
+        self.order.push_back(k);
         while self.order.len() > CACHE_ENTRIES {
             if let Some(old) = self.order.pop_front() {
-                self.map.remove(&old);
+                if let Some(b) = self.map.get_mut(&old) {
+                    b.remove(0);
+                    if b.is_empty() {
+                        self.map.remove(&old);
+                    }
+                }
             }
         }
     }
 }
 
-fn key(text: &Arc<str>) -> usize {
-    Arc::as_ptr(text) as *const u8 as usize
+fn key(text: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    text.hash(&mut h);
+    h.finish()
 }
 
 struct Chain {
@@ -389,11 +402,12 @@ mod tests {
         let same_text: Arc<str> = Arc::from("[\"data\",{}]");
         c.put(&a, Outcome::Drop);
         assert_eq!(c.get(&a), Some(Outcome::Drop));
-        assert_eq!(c.get(&same_text), None, "only the same shared text hits");
+        assert_eq!(c.get(&same_text), Some(Outcome::Drop), "a replayed copy of the text hits too");
+        assert_eq!(c.get(&Arc::from("[\"data\",{\"x\":1}]")), None);
         for i in 0..CACHE_ENTRIES + 10 {
             c.put(&Arc::from(format!("{i}")), Outcome::Keep);
         }
         assert_eq!(c.get(&a), None, "the oldest entries go first");
-        assert!(c.map.len() <= CACHE_ENTRIES);
+        assert!(c.order.len() <= CACHE_ENTRIES);
     }
 }
