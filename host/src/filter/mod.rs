@@ -68,13 +68,12 @@ struct Cache {
 const CACHE_ENTRIES: usize = 16_384;
 
 impl Cache {
-    fn get(&self, text: &Arc<str>) -> Option<Outcome> {
-        let bucket = self.map.get(&key(text))?;
+    fn get(&self, k: u64, text: &Arc<str>) -> Option<Outcome> {
+        let bucket = self.map.get(&k)?;
         bucket.iter().find(|(held, _)| Arc::ptr_eq(held, text) || **held == **text).map(|(_, o)| o.clone())
     }
 
-    fn put(&mut self, text: &Arc<str>, outcome: Outcome) {
-        let k = key(text);
+    fn put(&mut self, k: u64, text: &Arc<str>, outcome: Outcome) {
         let bucket = self.map.entry(k).or_default();
         if bucket.iter().any(|(held, _)| **held == **text) {
             return;
@@ -94,11 +93,21 @@ impl Cache {
     }
 }
 
+/// A fast hash of a change's text, eight bytes at a time (entries are
+/// compared in full on a match, so collisions cost a comparison only).
 fn key(text: &str) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    text.hash(&mut h);
-    h.finish()
+    const K: u64 = 0x517c_c1b7_2722_0a95;
+    let bytes = text.as_bytes();
+    let mut h = bytes.len() as u64;
+    let mut chunks = bytes.chunks_exact(8);
+    for c in &mut chunks {
+        let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        h = (h.rotate_left(5) ^ w).wrapping_mul(K);
+    }
+    for &b in chunks.remainder() {
+        h = (h.rotate_left(5) ^ b as u64).wrapping_mul(K);
+    }
+    h
 }
 
 struct Chain {
@@ -155,11 +164,13 @@ impl FilterGroup {
         if out.iter().all(Option::is_some) {
             return Ok(out.into_iter().flatten().collect());
         }
+        // Hashed once, for both lookups and the insert.
+        let keys: Vec<u64> = out.iter().zip(messages).map(|(o, m)| if o.is_none() { key(m) } else { 0 }).collect();
         {
             let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
-            for (o, m) in out.iter_mut().zip(messages) {
+            for ((o, m), k) in out.iter_mut().zip(messages).zip(&keys) {
                 if o.is_none() {
-                    *o = cache.get(m);
+                    *o = cache.get(*k, m);
                 }
             }
         }
@@ -173,9 +184,9 @@ impl FilterGroup {
         // Another subscriber may have evaluated them while this one waited.
         {
             let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
-            for (o, m) in out.iter_mut().zip(messages) {
+            for ((o, m), k) in out.iter_mut().zip(messages).zip(&keys) {
                 if o.is_none() {
-                    *o = cache.get(m);
+                    *o = cache.get(*k, m);
                 }
             }
         }
@@ -196,13 +207,13 @@ impl FilterGroup {
                 match route(inner_object(&messages[i])) {
                     Route::Row { schema, name, .. } if self.table_verdict(schema, name).is_none() => {
                         learned.push((schema.to_string(), name.to_string()));
-                        cache.put(&messages[i], outcome.clone());
+                        cache.put(keys[i], &messages[i], outcome.clone());
                     }
                     Route::Row { schema, name, .. } if self.table_verdict(schema, name) == Some(None) => {
-                        cache.put(&messages[i], outcome.clone())
+                        cache.put(keys[i], &messages[i], outcome.clone())
                     }
                     Route::Row { .. } => {}
-                    Route::Other => cache.put(&messages[i], outcome.clone()),
+                    Route::Other => cache.put(keys[i], &messages[i], outcome.clone()),
                 }
                 out[i] = Some(outcome);
             }
@@ -400,14 +411,18 @@ mod tests {
         let mut c = Cache { map: HashMap::new(), order: VecDeque::new() };
         let a: Arc<str> = Arc::from("[\"data\",{}]");
         let same_text: Arc<str> = Arc::from("[\"data\",{}]");
-        c.put(&a, Outcome::Drop);
-        assert_eq!(c.get(&a), Some(Outcome::Drop));
-        assert_eq!(c.get(&same_text), Some(Outcome::Drop), "a replayed copy of the text hits too");
-        assert_eq!(c.get(&Arc::from("[\"data\",{\"x\":1}]")), None);
+        c.put(key(&a), &a, Outcome::Drop);
+        assert_eq!(c.get(key(&a), &a), Some(Outcome::Drop));
+        assert_eq!(c.get(key(&same_text), &same_text), Some(Outcome::Drop), "a replayed copy of the text hits too");
+        let other: Arc<str> = Arc::from("[\"data\",{\"x\":1}]");
+        assert_eq!(c.get(key(&other), &other), None);
+        // A colliding key still compares the text.
+        assert_eq!(c.get(key(&a), &other), None);
         for i in 0..CACHE_ENTRIES + 10 {
-            c.put(&Arc::from(format!("{i}")), Outcome::Keep);
+            let t: Arc<str> = Arc::from(format!("{i}"));
+            c.put(key(&t), &t, Outcome::Keep);
         }
-        assert_eq!(c.get(&a), None, "the oldest entries go first");
+        assert_eq!(c.get(key(&a), &a), None, "the oldest entries go first");
         assert!(c.order.len() <= CACHE_ENTRIES);
     }
 }

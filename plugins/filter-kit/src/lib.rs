@@ -5,6 +5,7 @@
 
 pub mod redact;
 pub mod row;
+pub mod scan;
 pub mod table;
 
 use std::borrow::Cow;

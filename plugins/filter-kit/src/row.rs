@@ -24,12 +24,10 @@
 //! known not to have matched. A predicate on a column the change leaves out
 //! (an unchanged TOASTed value) cannot be judged: the change passes as is.
 
-use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use crate::{glob_match, Filter, Key, Policy, RowChange, Verdict};
+use crate::{glob_match, scan, Filter, Policy, Verdict};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -199,44 +197,43 @@ impl Expr {
     }
 }
 
-/// Parses only `columns` out of a row object; `None` for anything else.
-struct Pick<'c>(&'c [String]);
-
-impl<'de> DeserializeSeed<'de> for Pick<'_> {
-    type Value = Option<Map<String, Value>>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Pick<'_> {
-    type Value = Option<Map<String, Value>>;
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("a row object")
-    }
-    fn visit_unit<E>(self) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut out = Map::new();
-        while let Some(Key(k)) = map.next_key::<Key<'de>>()? {
-            if self.0.iter().any(|c| *c == *k) {
-                out.insert(k.into_owned(), map.next_value::<Value>()?);
-            } else {
-                map.next_value::<IgnoredAny>()?;
-            }
+/// Only `columns` of a row object, parsed; `None` for anything else (null,
+/// absent). The rest of the row is skipped by the scanner, never parsed.
+fn pick(raw: Option<&str>, columns: &[String]) -> Option<Map<String, Value>> {
+    let members = scan::members(raw?)?;
+    let mut out = Map::new();
+    for (k, v) in members {
+        let key: std::borrow::Cow<'_, str> =
+            if k.contains('\\') { serde_json::from_str::<String>(&format!("\"{k}\"")).ok()?.into() } else { k.into() };
+        if columns.iter().any(|c| **c == *key) {
+            out.insert(key.into_owned(), serde_json::from_str(v).ok()?);
         }
-        Ok(Some(out))
     }
+    Some(out)
 }
 
-fn pick(raw: Option<&RawValue>, columns: &[String]) -> Option<Map<String, Value>> {
-    let mut de = serde_json::Deserializer::from_str(raw?.get());
-    Pick(columns).deserialize(&mut de).ok().flatten()
+/// A row change's parts as raw JSON.
+struct Parts<'a> {
+    relation: &'a str,
+    key: Option<&'a str>,
+    new: Option<&'a str>,
+}
+
+fn parts(json: &str) -> Option<Parts<'_>> {
+    let mut p = Parts { relation: "{}", key: None, new: None };
+    for (k, v) in scan::members(json)? {
+        match k {
+            "relation" => p.relation = v,
+            "key" if v != "null" => p.key = Some(v),
+            "new" => p.new = Some(v),
+            _ => {}
+        }
+    }
+    Some(p)
 }
 
 impl RowFilter {
-    fn test(&self, row: Option<&RawValue>) -> Truth {
+    fn test(&self, row: Option<&str>) -> Truth {
         match pick(row, &self.columns) {
             Some(r) => self.predicate.eval(&r),
             None => Truth::Missing,
@@ -245,8 +242,10 @@ impl RowFilter {
 
     /// The key of the row an update leaves the view with: the old key when
     /// it changed, else the key columns of the new row.
-    fn key_of(&self, change: &RowChange<'_>) -> String {
-        let columns = crate::key_columns(change.relation);
+    fn key_of(&self, change: &Parts<'_>) -> String {
+        let columns = serde_json::value::RawValue::from_string(change.relation.to_string())
+            .map(|r| crate::key_columns(&r))
+            .unwrap_or_default();
         let from = if change.key.is_some() { change.key } else { change.new };
         Value::Object(pick(from, &columns).unwrap_or_default()).to_string()
     }
@@ -257,7 +256,7 @@ impl RowFilter {
         if !matches!(tag, "insert" | "update" | "delete") {
             return Verdict::Keep;
         }
-        let Ok(c) = serde_json::from_str::<RowChange<'_>>(json) else { return Verdict::Keep };
+        let Some(c) = parts(json) else { return Verdict::Keep };
         match tag {
             "insert" => match self.test(c.new) {
                 Truth::Missing | Truth::True => Verdict::Keep,
@@ -278,14 +277,14 @@ impl RowFilter {
                 match (new == Truth::True, old) {
                     (true, Truth::False | Truth::Null) => Verdict::Replace(format!(
                         "{{\"tag\":\"insert\",\"relation\":{},\"new\":{}}}",
-                        c.relation.get(),
-                        c.new.map(RawValue::get).unwrap_or("{}")
+                        c.relation,
+                        c.new.unwrap_or("{}")
                     )),
                     (true, _) => Verdict::Keep,
                     (false, Truth::False | Truth::Null) => Verdict::Drop,
                     (false, _) => Verdict::Replace(format!(
                         "{{\"tag\":\"delete\",\"relation\":{},\"key\":{}}}",
-                        c.relation.get(),
+                        c.relation,
                         self.key_of(&c)
                     )),
                 }
