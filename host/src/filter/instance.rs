@@ -32,12 +32,12 @@ impl FilterInstance {
         limits: Limits,
     ) -> Result<Self, String> {
         let mut store = new_store(engine, name, limits, &NetGrant::default());
-        store.data_mut().arm_deadline(limits.call_deadline);
+        store.data_mut().arm_running_time(limits.call_deadline);
         let plugin = match pre.instantiate_async(&mut store).await {
             Ok(p) => p,
             Err(e) => return Err(format!("filter plugin {name} {}", describe_failure(&e, store.data(), limits))),
         };
-        store.data_mut().arm_deadline(limits.call_deadline);
+        store.data_mut().arm_running_time(limits.call_deadline);
         let created = plugin.sluice_plugin_filter().call_create(&mut store, config).await;
         let handle = match created {
             Ok(Ok(h)) => h,
@@ -60,7 +60,7 @@ impl FilterInstance {
         if let Some(p) = self.policies.get(schema).and_then(|t| t.get(table)) {
             return Ok(*p);
         }
-        self.store.data_mut().arm_deadline(self.limits.call_deadline);
+        self.store.data_mut().arm_running_time(self.limits.call_deadline);
         let filter = self.plugin.sluice_plugin_filter().change_filter();
         let policy = match filter.call_table_policy(&mut self.store, self.handle, schema, table).await {
             Ok(p) => p,
@@ -79,7 +79,7 @@ impl FilterInstance {
             ends.push(texts.len() as u32);
         }
         let batch = Batch { texts, ends };
-        self.store.data_mut().arm_deadline(self.limits.call_deadline);
+        self.store.data_mut().arm_running_time(self.limits.call_deadline);
         let filter = self.plugin.sluice_plugin_filter().change_filter();
         let decisions = match filter.call_apply(&mut self.store, self.handle, &batch).await {
             Ok(d) => d,

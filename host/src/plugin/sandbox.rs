@@ -73,6 +73,9 @@ pub struct HostState {
     memory: MemoryCap,
     /// When the current call must have returned.
     deadline: Instant,
+    /// For calls bounded by their running time instead: the epoch ticks the
+    /// call may still run for.
+    ticks_left: Option<u32>,
 }
 
 impl WasiView for HostState {
@@ -82,9 +85,19 @@ impl WasiView for HostState {
 }
 
 impl HostState {
-    /// Starts the clock for one call.
+    /// Starts the clock for one call (wall clock: sources, which wait on I/O).
     pub fn arm_deadline(&mut self, limit: Duration) {
         self.deadline = Instant::now() + limit;
+        self.ticks_left = None;
+    }
+
+    /// Bounds one call by the time it actually runs, not counting time its
+    /// task waits to be scheduled (filters, which never wait on I/O: on a
+    /// busy host a well-behaved filter must not be cut off for the time
+    /// other tasks ran).
+    pub fn arm_running_time(&mut self, limit: Duration) {
+        let ticks = (limit.as_millis() / EPOCH_TICK.as_millis()).max(1);
+        self.ticks_left = Some(ticks.min(u32::MAX as u128) as u32);
     }
 
     /// Whether the last failure was the memory cap (for a clearer message).
@@ -134,16 +147,24 @@ pub fn new_store(engine: &Engine, plugin: &str, limits: Limits, net: &NetGrant) 
         table: ResourceTable::new(),
         memory: MemoryCap { max: limits.memory_bytes, hit: false },
         deadline: Instant::now() + limits.call_deadline,
+        ticks_left: None,
     };
     let mut store = Store::new(engine, state);
     store.limiter(|s| &mut s.memory);
     store.set_epoch_deadline(1);
-    store.epoch_deadline_callback(|ctx| {
-        if Instant::now() >= ctx.data().deadline {
-            Ok(UpdateDeadline::Interrupt)
-        } else {
-            Ok(UpdateDeadline::Yield(1))
-        }
+    // Called once per epoch tick while the guest runs (not while its task
+    // is suspended), so counting calls measures running time.
+    store.epoch_deadline_callback(|mut ctx| {
+        let state = ctx.data_mut();
+        let expired = match state.ticks_left.as_mut() {
+            Some(0) => true,
+            Some(t) => {
+                *t -= 1;
+                false
+            }
+            None => Instant::now() >= state.deadline,
+        };
+        Ok(if expired { UpdateDeadline::Interrupt } else { UpdateDeadline::Yield(1) })
     });
     store
 }
