@@ -148,7 +148,9 @@ impl FilterGroup {
 
     /// The outcome of each data message (`["data",{...}]`), in order. An
     /// error names the filter and the cause; the group is then unusable.
-    pub async fn apply(&self, messages: &[Arc<str>]) -> Result<Vec<Outcome>, String> {
+    pub async fn apply(self: &Arc<Self>, messages: &[Arc<str>]) -> Result<Vec<Outcome>, String> {
+        // The outcome cache only pays when another subscriber can hit it.
+        let shared = Arc::strong_count(self) > 1;
         if self.broken.load(std::sync::atomic::Ordering::Acquire) {
             let chain = self.chain.lock().await;
             return Err(chain.failed.clone().unwrap_or_else(|| "the filter failed".into()));
@@ -165,8 +167,9 @@ impl FilterGroup {
             return Ok(out.into_iter().flatten().collect());
         }
         // Hashed once, for both lookups and the insert.
-        let keys: Vec<u64> = out.iter().zip(messages).map(|(o, m)| if o.is_none() { key(m) } else { 0 }).collect();
-        {
+        let keys: Vec<u64> =
+            out.iter().zip(messages).map(|(o, m)| if o.is_none() && shared { key(m) } else { 0 }).collect();
+        if shared {
             let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
             for ((o, m), k) in out.iter_mut().zip(messages).zip(&keys) {
                 if o.is_none() {
@@ -182,7 +185,7 @@ impl FilterGroup {
             return Err(f.clone());
         }
         // Another subscriber may have evaluated them while this one waited.
-        {
+        if shared {
             let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
             for ((o, m), k) in out.iter_mut().zip(messages).zip(&keys) {
                 if o.is_none() {
@@ -204,16 +207,16 @@ impl FilterGroup {
         {
             let mut cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
             for (i, outcome) in misses.into_iter().zip(evaluated) {
-                match route(inner_object(&messages[i])) {
+                let cacheable = match route(inner_object(&messages[i])) {
                     Route::Row { schema, name, .. } if self.table_verdict(schema, name).is_none() => {
                         learned.push((schema.to_string(), name.to_string()));
-                        cache.put(keys[i], &messages[i], outcome.clone());
+                        true
                     }
-                    Route::Row { schema, name, .. } if self.table_verdict(schema, name) == Some(None) => {
-                        cache.put(keys[i], &messages[i], outcome.clone())
-                    }
-                    Route::Row { .. } => {}
-                    Route::Other => cache.put(keys[i], &messages[i], outcome.clone()),
+                    Route::Row { schema, name, .. } => self.table_verdict(schema, name) == Some(None),
+                    Route::Other => true,
+                };
+                if shared && cacheable {
+                    cache.put(keys[i], &messages[i], outcome.clone());
                 }
                 out[i] = Some(outcome);
             }

@@ -304,7 +304,7 @@ async fn pump(
 }
 
 /// The filter's outcome for each data message among `frames`, in order.
-async fn filter_frames(group: &FilterGroup, frames: &[Option<Frame>]) -> Result<Vec<Outcome>, String> {
+async fn filter_frames(group: &Arc<FilterGroup>, frames: &[Option<Frame>]) -> Result<Vec<Outcome>, String> {
     let data: Vec<Arc<str>> = frames
         .iter()
         .filter_map(|f| match f {
