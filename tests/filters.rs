@@ -69,12 +69,7 @@ async fn server() -> Server {
 
 impl Server {
     async fn stored(&self, w: &str) {
-        let st = self.status.clone();
-        wait_until(&format!("{w} stored"), WAIT, || {
-            let s = st.snapshot();
-            async move { s.last_watermark.as_deref() == Some(w) }
-        })
-        .await;
+        wait_stored(&self.status, w).await;
     }
 
     /// A subscriber from the start of the log through `filters` (JSON).

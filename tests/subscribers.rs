@@ -84,12 +84,7 @@ async fn server(backend: Backend) -> Server {
 
 impl Server {
     async fn stored(&self, w: &str) {
-        let st = self.status.clone();
-        wait_until(&format!("{w} stored"), WAIT, || {
-            let s = st.snapshot();
-            async move { s.last_watermark.as_deref() == Some(w) }
-        })
-        .await;
+        wait_stored(&self.status, w).await;
     }
 }
 

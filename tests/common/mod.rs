@@ -67,6 +67,16 @@ where
     }
 }
 
+/// Waits until the change log's last watermark is `w`.
+pub async fn wait_stored(status: &Arc<Status>, w: &str) {
+    let st = status.clone();
+    wait_until(&format!("{w} stored"), Duration::from_secs(30), || {
+        let s = st.snapshot();
+        async move { s.last_watermark.as_deref() == Some(w) }
+    })
+    .await;
+}
+
 /// A change log row as stored.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Row {

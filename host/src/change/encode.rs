@@ -259,7 +259,8 @@ fn push_str_list(out: &mut String, items: &[String]) {
     out.push(']');
 }
 
-fn schema_tag(s: &SchemaChange) -> &'static str {
+/// Zero's tag of a schema change.
+pub fn schema_tag(s: &SchemaChange) -> &'static str {
     match s {
         SchemaChange::CreateTable(_) => "create-table",
         SchemaChange::RenameTable(_) => "rename-table",

@@ -9,7 +9,7 @@
 mod encode;
 pub mod json;
 
-pub use encode::{EncodeError, Encoder, Event};
+pub use encode::{schema_tag, EncodeError, Encoder, Event};
 
 use std::ops::Range;
 use std::sync::Arc;

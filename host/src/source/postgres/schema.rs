@@ -371,19 +371,7 @@ mod tests {
     }
 
     fn tags(changes: &[SchemaChange]) -> Vec<&'static str> {
-        changes
-            .iter()
-            .map(|c| match c {
-                SchemaChange::CreateTable(_) => "create-table",
-                SchemaChange::RenameTable(_) => "rename-table",
-                SchemaChange::AddColumn(_) => "add-column",
-                SchemaChange::UpdateColumn(_) => "update-column",
-                SchemaChange::DropColumn(_) => "drop-column",
-                SchemaChange::DropTable(_) => "drop-table",
-                SchemaChange::CreateIndex(_) => "create-index",
-                SchemaChange::DropIndex(_) => "drop-index",
-            })
-            .collect()
+        changes.iter().map(crate::change::schema_tag).collect()
     }
 
     #[test]
