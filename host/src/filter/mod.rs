@@ -156,13 +156,16 @@ impl FilterGroup {
             return Err(chain.failed.clone().unwrap_or_else(|| "the filter failed".into()));
         }
         // Row changes of tables the chain decides by table cost a lookup.
-        let mut out: Vec<Option<Outcome>> = messages
+        // `known`: the table verdict of each row change, looked up once
+        // (`None`: not a row change, or a table not seen yet).
+        let known: Vec<Option<Option<Outcome>>> = messages
             .iter()
             .map(|m| match route(inner_object(m)) {
-                Route::Row { schema, name, .. } => self.table_verdict(schema, name).flatten(),
+                Route::Row { schema, name, .. } => self.table_verdict(schema, name),
                 Route::Other => None,
             })
             .collect();
+        let mut out: Vec<Option<Outcome>> = known.iter().map(|v| v.clone().flatten()).collect();
         if out.iter().all(Option::is_some) {
             return Ok(out.into_iter().flatten().collect());
         }
@@ -207,13 +210,14 @@ impl FilterGroup {
         {
             let mut cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
             for (i, outcome) in misses.into_iter().zip(evaluated) {
-                let cacheable = match route(inner_object(&messages[i])) {
-                    Route::Row { schema, name, .. } if self.table_verdict(schema, name).is_none() => {
+                // Outcomes of tables decided as a whole are not worth caching.
+                let cacheable = match (&known[i], route(inner_object(&messages[i]))) {
+                    (None, Route::Row { schema, name, .. }) => {
                         learned.push((schema.to_string(), name.to_string()));
                         true
                     }
-                    Route::Row { schema, name, .. } => self.table_verdict(schema, name) == Some(None),
-                    Route::Other => true,
+                    (Some(verdict), _) => verdict.is_none(),
+                    (None, Route::Other) => true,
                 };
                 if shared && cacheable {
                     cache.put(keys[i], &messages[i], outcome.clone());

@@ -8,11 +8,7 @@ pub mod row;
 pub mod scan;
 pub mod table;
 
-use std::borrow::Cow;
-
-use serde::de::{Deserializer, Visitor};
 use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::Value;
 
 /// How a filter treats one table's row changes (the WIT `table-policy`).
@@ -135,41 +131,8 @@ impl TablePatterns {
     }
 }
 
-/// A row change, its parts left as raw JSON until needed.
-#[derive(Deserialize)]
-pub struct RowChange<'a> {
-    #[serde(borrow)]
-    pub relation: &'a RawValue,
-    #[serde(borrow, default)]
-    pub key: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    pub new: Option<&'a RawValue>,
-}
-
-/// A JSON object key, borrowed when it has no escapes.
-pub struct Key<'de>(pub Cow<'de, str>);
-
-impl<'de> Deserialize<'de> for Key<'de> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Key<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Borrowed(v)))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Owned(v.to_string())))
-            }
-        }
-        d.deserialize_str(V)
-    }
-}
-
 /// The row-key columns named by a relation's raw JSON.
-pub fn key_columns(relation: &RawValue) -> Vec<String> {
+pub fn key_columns(relation: &str) -> Vec<String> {
     #[derive(Deserialize)]
     struct RowKey {
         #[serde(default)]
@@ -180,7 +143,7 @@ pub fn key_columns(relation: &RawValue) -> Vec<String> {
     struct Rel {
         row_key: RowKey,
     }
-    serde_json::from_str::<Rel>(relation.get()).map(|r| r.row_key.columns).unwrap_or_default()
+    serde_json::from_str::<Rel>(relation).map(|r| r.row_key.columns).unwrap_or_default()
 }
 
 /// The change texts of a batch (`texts` cut at `ends`); a bad offset ends

@@ -16,11 +16,10 @@
 use std::collections::HashMap;
 
 use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::{row_key, table_of, Filter, Key, Policy, RowChange, TablePatterns, Verdict};
+use crate::{scan, table_of, Filter, Policy, TablePatterns, Verdict};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -61,28 +60,6 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 impl Redact {
-    /// Redacts one row object in place; returns whether anything changed.
-    fn row(&self, row: &mut Value, keys: &[&str]) -> bool {
-        let Some(row) = row.as_object_mut() else { return false };
-        let mut changed = false;
-        for c in self.drop.iter().filter(|c| !keys.contains(&c.as_str())) {
-            changed |= row.remove(c).is_some();
-        }
-        for (c, mask) in self.mask.iter().filter(|(c, _)| !keys.contains(&c.as_str())) {
-            if let Some(v) = row.get_mut(c).filter(|v| !v.is_null()) {
-                *v = Value::String(mask.clone());
-                changed = true;
-            }
-        }
-        for c in self.hash.iter().filter(|c| !keys.contains(&c.as_str())) {
-            if let Some(v) = row.get_mut(c).filter(|v| !v.is_null()) {
-                *v = Value::String(hex(&hmac_sha256(&self.key, v.to_string().as_bytes())));
-                changed = true;
-            }
-        }
-        changed
-    }
-
     fn rewritten(&self, name: &str) -> bool {
         self.mask.contains_key(name) || self.hash.iter().any(|h| h == name)
     }
@@ -100,7 +77,7 @@ impl Redact {
     /// apart, and only into (key, raw value) pairs. `None`: not parseable so,
     /// the caller takes the general path.
     fn row_change(&self, tag: &str, json: &str) -> Option<Verdict> {
-        let c: RowChange<'_> = serde_json::from_str(json).ok()?;
+        let c = scan::row_parts(json)?;
         let keys = crate::key_columns(c.relation);
         let (new, a) = self.raw_row(c.new, &keys)?;
         let (key, b) = self.raw_row(c.key, &keys)?;
@@ -111,7 +88,7 @@ impl Redact {
         out.push_str("{\"tag\":");
         out.push_str(&serde_json::to_string(tag).ok()?);
         out.push_str(",\"relation\":");
-        out.push_str(c.relation.get());
+        out.push_str(c.relation);
         if tag != "insert" {
             out.push_str(",\"key\":");
             out.push_str(key.as_deref().unwrap_or("null"));
@@ -126,15 +103,15 @@ impl Redact {
 
     /// One row object rebuilt without dropped columns and with masked and
     /// hashed values; and whether anything changed.
-    fn raw_row(&self, raw: Option<&RawValue>, keys: &[String]) -> Option<(Option<String>, bool)> {
+    fn raw_row(&self, raw: Option<&str>, keys: &[String]) -> Option<(Option<String>, bool)> {
         let Some(raw) = raw else { return Some((None, false)) };
-        let pairs: Vec<(Key<'_>, &RawValue)> = serde_json::from_str::<RawPairs<'_>>(raw.get()).ok()?.0;
         let mut changed = false;
-        let mut out = String::with_capacity(raw.get().len());
+        let mut out = String::with_capacity(raw.len());
         out.push('{');
-        for (Key(k), v) in pairs {
+        for (raw_key, v) in scan::members(raw)? {
+            let k = scan::key_text(raw_key)?;
             let protected = keys.iter().any(|c| *c == *k);
-            let null = v.get() == "null";
+            let null = v == "null";
             if !protected && self.drop.iter().any(|d| *d == *k) {
                 changed = true;
                 continue;
@@ -144,21 +121,23 @@ impl Redact {
             } else if let Some(mask) = self.mask.get(&*k) {
                 Some(serde_json::to_string(mask).ok()?)
             } else if self.hash.iter().any(|h| *h == *k) {
-                Some(format!("\"{}\"", hex(&hmac_sha256(&self.key, v.get().as_bytes()))))
+                Some(format!("\"{}\"", hex(&hmac_sha256(&self.key, v.as_bytes()))))
             } else {
                 None
             };
             if out.len() > 1 {
                 out.push(',');
             }
-            out.push_str(&serde_json::to_string(&*k).ok()?);
-            out.push(':');
+            // The key as it was written (escapes included).
+            out.push('"');
+            out.push_str(raw_key);
+            out.push_str("\":");
             match replacement {
                 Some(r) => {
                     changed = true;
                     out.push_str(&r);
                 }
-                None => out.push_str(v.get()),
+                None => out.push_str(v),
             }
         }
         out.push('}');
@@ -167,9 +146,7 @@ impl Redact {
 
     fn verdict(&self, tag: &str, json: &str) -> Verdict {
         if matches!(tag, "insert" | "update" | "delete") {
-            if let Some(v) = self.row_change(tag, json) {
-                return v;
-            }
+            return self.row_change(tag, json).unwrap_or(Verdict::Keep);
         }
         let Ok(mut v) = serde_json::from_str::<Value>(json) else { return Verdict::Keep };
         if !table_of(&v).is_some_and(|(s, n)| self.tables.matches(s, n)) {
@@ -177,13 +154,6 @@ impl Redact {
         }
         let dropped = |c: &str| self.drop.iter().any(|d| d == c);
         let changed = match tag {
-            "insert" | "update" | "delete" => {
-                let keys: Vec<String> = row_key(&v).0.iter().map(|s| s.to_string()).collect();
-                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                let a = self.row(&mut v["new"], &keys);
-                let b = self.row(&mut v["key"], &keys);
-                a | b
-            }
             "create-table" => {
                 let keys: Vec<String> = v["spec"]["primaryKey"]
                     .as_array()
@@ -255,28 +225,5 @@ impl Filter for Redact {
 
     fn decide(&self, tag: &str, json: &str) -> Verdict {
         self.verdict(tag, json)
-    }
-}
-
-/// A JSON object as its (key, raw value) pairs, in order.
-struct RawPairs<'a>(Vec<(Key<'a>, &'a RawValue)>);
-
-impl<'de> Deserialize<'de> for RawPairs<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = RawPairs<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("an object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<RawPairs<'de>, A::Error> {
-                let mut out = Vec::new();
-                while let Some(k) = map.next_key::<Key<'de>>()? {
-                    out.push((k, map.next_value::<&'de RawValue>()?));
-                }
-                Ok(RawPairs(out))
-            }
-        }
-        d.deserialize_map(V)
     }
 }

@@ -200,36 +200,14 @@ impl Expr {
 /// Only `columns` of a row object, parsed; `None` for anything else (null,
 /// absent). The rest of the row is skipped by the scanner, never parsed.
 fn pick(raw: Option<&str>, columns: &[String]) -> Option<Map<String, Value>> {
-    let members = scan::members(raw?)?;
     let mut out = Map::new();
-    for (k, v) in members {
-        let key: std::borrow::Cow<'_, str> =
-            if k.contains('\\') { serde_json::from_str::<String>(&format!("\"{k}\"")).ok()?.into() } else { k.into() };
+    for (k, v) in scan::members(raw?)? {
+        let key = scan::key_text(k)?;
         if columns.iter().any(|c| **c == *key) {
             out.insert(key.into_owned(), serde_json::from_str(v).ok()?);
         }
     }
     Some(out)
-}
-
-/// A row change's parts as raw JSON.
-struct Parts<'a> {
-    relation: &'a str,
-    key: Option<&'a str>,
-    new: Option<&'a str>,
-}
-
-fn parts(json: &str) -> Option<Parts<'_>> {
-    let mut p = Parts { relation: "{}", key: None, new: None };
-    for (k, v) in scan::members(json)? {
-        match k {
-            "relation" => p.relation = v,
-            "key" if v != "null" => p.key = Some(v),
-            "new" => p.new = Some(v),
-            _ => {}
-        }
-    }
-    Some(p)
 }
 
 impl RowFilter {
@@ -242,10 +220,8 @@ impl RowFilter {
 
     /// The key of the row an update leaves the view with: the old key when
     /// it changed, else the key columns of the new row.
-    fn key_of(&self, change: &Parts<'_>) -> String {
-        let columns = serde_json::value::RawValue::from_string(change.relation.to_string())
-            .map(|r| crate::key_columns(&r))
-            .unwrap_or_default();
+    fn key_of(&self, change: &scan::RowParts<'_>) -> String {
+        let columns = crate::key_columns(change.relation);
         let from = if change.key.is_some() { change.key } else { change.new };
         Value::Object(pick(from, &columns).unwrap_or_default()).to_string()
     }
@@ -256,7 +232,7 @@ impl RowFilter {
         if !matches!(tag, "insert" | "update" | "delete") {
             return Verdict::Keep;
         }
-        let Some(c) = parts(json) else { return Verdict::Keep };
+        let Some(c) = scan::row_parts(json) else { return Verdict::Keep };
         match tag {
             "insert" => match self.test(c.new) {
                 Truth::Missing | Truth::True => Verdict::Keep,

@@ -100,6 +100,36 @@ pub fn member<'a>(text: &'a str, name: &str) -> Option<&'a str> {
     members(text)?.into_iter().find(|(k, _)| *k == name).map(|(_, v)| v)
 }
 
+/// The text of a raw key (as [`members`] returns it), unescaped if needed.
+pub fn key_text(raw: &str) -> Option<std::borrow::Cow<'_, str>> {
+    if raw.contains('\\') {
+        serde_json::from_str::<String>(&format!("\"{raw}\"")).ok().map(Into::into)
+    } else {
+        Some(raw.into())
+    }
+}
+
+/// A row change's parts as raw JSON: `relation`, the old `key` (absent or
+/// null: `None`) and the `new` row.
+pub struct RowParts<'a> {
+    pub relation: &'a str,
+    pub key: Option<&'a str>,
+    pub new: Option<&'a str>,
+}
+
+pub fn row_parts(json: &str) -> Option<RowParts<'_>> {
+    let mut p = RowParts { relation: "{}", key: None, new: None };
+    for (k, v) in members(json)? {
+        match k {
+            "relation" => p.relation = v,
+            "key" if v != "null" => p.key = Some(v),
+            "new" => p.new = Some(v),
+            _ => {}
+        }
+    }
+    Some(p)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -272,16 +272,11 @@ impl Feedback {
     }
 }
 
-/// A relation as decoded plus what its rows need.
-struct Rel {
-    msg: RelationMsg,
-}
-
 /// pgoutput to messages, with the state that needs: relations, streamed
 /// transactions waiting for their commit, and where the stream stands.
 struct Decoder {
     upstream: Upstream,
-    relations: HashMap<u32, Rel>,
+    relations: HashMap<u32, RelationMsg>,
     /// The top-level xid of the streamed chunk being read.
     chunk: Option<u32>,
     /// Streamed transactions: (subtransaction xid, message) in order.
@@ -385,7 +380,7 @@ impl Decoder {
             PgOutput::Relation(rel) => {
                 let changes = self.degraded_check(&rel).await?;
                 let declared = relation(&rel);
-                self.relations.insert(rel.oid, Rel { msg: rel });
+                self.relations.insert(rel.oid, rel);
                 for c in changes {
                     self.emit(xid, c, out);
                 }
@@ -458,10 +453,7 @@ impl Decoder {
     }
 
     fn relation(&self, oid: u32) -> Result<&RelationMsg, String> {
-        self.relations
-            .get(&oid)
-            .map(|r| &r.msg)
-            .ok_or_else(|| format!("a row refers to relation {oid}, which was never described"))
+        self.relations.get(&oid).ok_or_else(|| format!("a row refers to relation {oid}, which was never described"))
     }
 
     /// Turns a DDL message into schema changes, or a reset.
