@@ -29,6 +29,10 @@ demo: build plugins
 
 # Zero's published client, for the interoperability test.
 interop-deps:
+	@command -v npm >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		echo "installing node and npm (apt-get install nodejs npm)" && apt-get update -qq >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; } || \
+		{ command -v npm >/dev/null || { echo "the interop tests need node and npm"; exit 1; }; }
 	@test -f tests/interop/node_modules/@rocicorp/zero/package.json || \
 		npm install --prefix tests/interop --ignore-scripts --no-audit --no-fund --loglevel=error
 
