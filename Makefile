@@ -1,6 +1,6 @@
 # Sluice: build, demo, test, bench.
 CARGO ?= cargo
-PLUGINS := mock-source table-filter row-filter redact bad-filter
+PLUGINS := mock-source zero-custom-source table-filter row-filter redact bad-filter
 GUESTS := $(addprefix --exclude ,$(PLUGINS))
 PLUGIN_DIR := target/plugins
 

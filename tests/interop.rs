@@ -219,3 +219,84 @@ fn wait_for_replica_version(addr: &str) -> String {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Zero's client on the zero-custom-source plugin: a custom upstream (Zero's
+/// custom change-source protocol, served by the test upstream) streams
+/// through a Sluice process that is SIGKILLed and restarted in the middle;
+/// the snapshot and every transaction arrive once, in order, and pass Zero's
+/// downstream schema.
+#[test]
+fn zeros_client_follows_a_custom_upstream_across_a_kill() {
+    use common::custom_upstream::{event, snapshot, Tx, Upstream};
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let up = rt.block_on(Upstream::start(snapshot(50)));
+    let dir = tempfile::tempdir().unwrap();
+    let change_db = format!("sqlite:{}", dir.path().join("log.db").display());
+    let addr = free_port();
+    let config = serde_json::json!({ "url": up.url(), "appID": "zero" }).to_string();
+    let spawn = || {
+        Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["run", "--source", "zero-custom-source", "--listen", &addr, "--source-config", &config])
+            .arg("--plugins")
+            .arg(common::plugin_dir())
+            .args(["--change-db", &change_db])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut sluice = spawn();
+    let replica_version = wait_for_replica_version(&addr);
+    assert_eq!(replica_version, common::custom_upstream::SNAPSHOT);
+
+    // 1 snapshot + 200 transactions; 250 events in all.
+    let mut node = Command::new("node")
+        .arg(interop_dir().join("subscribe.mjs"))
+        .args([&format!("ws://{addr}/"), replica_version.as_str(), "201", "zero", "events", "250"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("node is installed");
+    let stdout = node.stdout.take().unwrap();
+    let (lines_tx, lines) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if lines_tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let write = |from: i64, to: i64| {
+        for id in from..to {
+            up.append(Tx::new(&format!("1{id:04}"), &[event(id)]));
+        }
+    };
+    write(50, 150);
+    // Kill once the client has seen some of them, so it reconnects too.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap().starts_with("commit 10") {}
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    write(150, 200);
+    let mut sluice = spawn();
+    write(200, 250);
+
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let summary = loop {
+        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the client finishes");
+        if line.starts_with('{') {
+            break line;
+        }
+    };
+    let status = node.wait().unwrap();
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
+    assert_eq!(summary["problems"], serde_json::json!([]), "{summary}");
+    assert_eq!(summary["commits"], 201, "{summary}");
+    assert!(status.success(), "{summary}");
+    // The restarted Sluice resumed the upstream where the log ended.
+    let conns = up.connections();
+    assert!(conns.len() >= 2, "{conns:?}");
+    assert!(conns[1..].iter().all(|q| common::custom_upstream::param(q, "lastWatermark").is_some()), "{conns:?}");
+}

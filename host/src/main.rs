@@ -106,8 +106,9 @@ struct RunArgs {
     /// Memory cap of one filter instance, in MiB.
     #[arg(long, default_value_t = 64)]
     filter_memory_mb: usize,
-    /// Let the source plugin connect to HOST:PORT (repeatable). Without it
-    /// the plugin has no network access.
+    /// Let the source plugin connect to HOST:PORT (repeatable), besides the
+    /// upstream its config names (`url`, or `host` and `port`), which it may
+    /// always reach. Nothing else is reachable.
     #[arg(long = "allow-net")]
     allow_net: Vec<String>,
     /// Compiled-plugin cache directory (default: `.cache` inside the data directory).
@@ -200,14 +201,15 @@ fn read_source_config(arg: &str) -> anyhow::Result<String> {
     Ok(text)
 }
 
-fn resolve_net(allow: &[String]) -> anyhow::Result<NetGrant> {
-    use std::net::ToSocketAddrs;
-    let mut connect = Vec::new();
-    for a in allow {
-        let addrs = a.to_socket_addrs().with_context(|| format!("--allow-net {a}: not a HOST:PORT that resolves"))?;
-        connect.extend(addrs);
+/// The plugin's network: the upstream its configuration names, plus `--allow-net`.
+fn resolve_net(config: &str, allow: &[String]) -> anyhow::Result<NetGrant> {
+    let mut endpoints = sluice::plugin::net::config_endpoints(config)?;
+    endpoints.extend(allow.iter().cloned());
+    let grant = sluice::plugin::net::resolve(&endpoints)?;
+    if !grant.connect.is_empty() {
+        tracing::info!(endpoints = ?endpoints, "the source plugin may connect to {} address(es)", grant.connect.len());
     }
-    Ok(NetGrant { connect })
+    Ok(grant)
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -218,7 +220,6 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         "normal" => Durability::Normal,
         other => anyhow::bail!("--sync {other}: expected full or normal"),
     };
-    let net = resolve_net(&args.allow_net)?;
     let limits = Limits {
         call_deadline: Duration::from_millis(args.plugin_deadline_ms),
         memory_bytes: args.plugin_memory_mb << 20,
@@ -238,7 +239,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let source: Box<dyn ChangeSource> = match &registry {
         _ if builtin => Box::new(PostgresSource::new(&config).map_err(anyhow::Error::msg)?),
-        Some(registry) => Box::new(registry.source(&args.source, config, limits, net).map_err(anyhow::Error::msg)?),
+        Some(registry) => {
+            let net = resolve_net(&config, &args.allow_net)?;
+            Box::new(registry.source(&args.source, config, limits, net).map_err(anyhow::Error::msg)?)
+        }
         None => unreachable!("plugin sources load the registry"),
     };
     let filter_limits = Limits {

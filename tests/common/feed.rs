@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sluice::source::model::{Begin, Commit, Delete, Insert, KeyType, Message, Relation, Value};
-use sluice::source::{ChangeSource, ChangeStream, SourceError};
+use sluice::source::{ChangeSource, ChangeStream, Resume, SourceError};
 
 /// A source fed by the test: messages are delivered in the order pushed;
 /// `fail` ends the current stream, later messages go to the next open.
@@ -42,8 +42,8 @@ impl ChangeSource for Feed {
     fn name(&self) -> &str {
         "feed"
     }
-    async fn open(&mut self, resume_after: Option<&str>) -> Result<Box<dyn ChangeStream>, SourceError> {
-        self.opens.lock().unwrap().push(resume_after.map(str::to_string));
+    async fn open(&mut self, resume: Option<Resume<'_>>) -> Result<Box<dyn ChangeStream>, SourceError> {
+        self.opens.lock().unwrap().push(resume.map(|r| r.watermark.to_string()));
         let mut items = self.items.lock().unwrap();
         items.push_front(Some(relation()));
         Ok(Box::new(FeedStream(self.clone())))

@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests.
 #![allow(dead_code)]
 
+pub mod custom_upstream;
 pub mod feed;
 pub mod pgserver;
 pub mod ws;

@@ -270,6 +270,7 @@ pub fn schema_tag(s: &SchemaChange) -> &'static str {
         SchemaChange::DropTable(_) => "drop-table",
         SchemaChange::CreateIndex(_) => "create-index",
         SchemaChange::DropIndex(_) => "drop-index",
+        SchemaChange::UpdateTableMetadata(_) => "update-table-metadata",
     }
 }
 
@@ -411,6 +412,12 @@ fn push_schema_change(out: &mut String, s: &SchemaChange) -> Result<(), EncodeEr
         SchemaChange::DropIndex(t) => {
             out.push_str(",\"id\":");
             push_table_name(out, t);
+        }
+        SchemaChange::UpdateTableMetadata(u) => {
+            out.push_str(",\"table\":");
+            push_table_name(out, &u.table);
+            push_metadata(out, "old", Some(&u.old))?;
+            push_metadata(out, "new", Some(&u.new))?;
         }
     }
     Ok(())

@@ -6,6 +6,7 @@
 
 pub mod bindings;
 mod cache;
+pub mod net;
 mod registry;
 mod sandbox;
 mod wasm_source;
@@ -16,4 +17,4 @@ pub use wasm_source::WasmSource;
 
 /// The WIT package version this host speaks.
 pub const WIT_PACKAGE: &str = "sluice:plugin";
-pub const WIT_VERSION: (u64, u64) = (0, 1);
+pub const WIT_VERSION: (u64, u64) = (0, 2);

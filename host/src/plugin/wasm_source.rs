@@ -4,10 +4,11 @@ use async_trait::async_trait;
 use wasmtime::component::ResourceAny;
 use wasmtime::{Engine, Store};
 
+use super::bindings::exports::sluice::plugin::source::ResumePoint;
 use super::bindings::{SourcePlugin, SourcePluginPre};
 use super::sandbox::{self, HostState, Limits, NetGrant};
 use crate::source::model::{Message, PluginError};
-use crate::source::{ChangeSource, ChangeStream, SourceError};
+use crate::source::{ChangeSource, ChangeStream, Resume, SourceError};
 
 pub struct WasmSource {
     engine: Engine,
@@ -41,13 +42,17 @@ fn plugin_error(name: &str, e: PluginError) -> SourceError {
     }
 }
 
+fn resume_point(r: Resume<'_>) -> ResumePoint {
+    ResumePoint { watermark: r.watermark.to_string(), replica_version: r.replica_version.to_string() }
+}
+
 #[async_trait]
 impl ChangeSource for WasmSource {
     fn name(&self) -> &str {
         &self.name
     }
 
-    async fn open(&mut self, resume_after: Option<&str>) -> Result<Box<dyn ChangeStream>, SourceError> {
+    async fn open(&mut self, resume: Option<Resume<'_>>) -> Result<Box<dyn ChangeStream>, SourceError> {
         // A fresh Store for every open: a trap or a timed-out call poisons the
         // Store, and reopening is how the loop recovers.
         let mut store = sandbox::new_store(&self.engine, &self.name, self.limits, &self.net);
@@ -64,10 +69,8 @@ impl ChangeSource for WasmSource {
             Err(e) => return Err(fail(&store, e)),
         };
         store.data_mut().arm_deadline(self.limits.call_deadline);
-        let opened = plugin
-            .sluice_plugin_source()
-            .call_open(&mut store, &self.config, resume_after.map(str::to_string).as_ref())
-            .await;
+        let opened =
+            plugin.sluice_plugin_source().call_open(&mut store, &self.config, resume.map(resume_point).as_ref()).await;
         let handle = match opened {
             Ok(Ok(h)) => h,
             Ok(Err(e)) => return Err(plugin_error(&self.name, e)),

@@ -27,9 +27,19 @@ pub trait ChangeSource: Send {
     /// A name for logs and status ("mock-source", "postgres").
     fn name(&self) -> &str;
 
-    /// Opens a stream that continues after `resume_after`, or from the start of
-    /// the upstream's lineage when it is `None`.
-    async fn open(&mut self, resume_after: Option<&str>) -> Result<Box<dyn ChangeStream>, SourceError>;
+    /// Opens a stream that continues after `resume.watermark`, or from the
+    /// start of the upstream's lineage when it is `None`.
+    async fn open(&mut self, resume: Option<Resume<'_>>) -> Result<Box<dyn ChangeStream>, SourceError>;
+}
+
+/// Where the change log stands when a source is reopened.
+#[derive(Debug, Clone, Copy)]
+pub struct Resume<'a> {
+    /// The last durable commit watermark.
+    pub watermark: &'a str,
+    /// The lineage the change log holds. Equal to `watermark` when the initial
+    /// snapshot was never stored.
+    pub replica_version: &'a str,
 }
 
 #[async_trait]

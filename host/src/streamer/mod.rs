@@ -17,7 +17,7 @@ use crate::change::{Change, Encoder, Event, Kind};
 use crate::forwarder;
 use crate::hub::Hub;
 use crate::source::model::{Control, Message};
-use crate::source::{ChangeSource, ChangeStream, SourceError};
+use crate::source::{ChangeSource, ChangeStream, Resume, SourceError};
 use crate::status::{SourceState, Stage, Status};
 use crate::storage::ChangeLog;
 use crate::storer::{Storer, StorerOptions};
@@ -192,7 +192,12 @@ impl Streamer {
             Some(s) if !self.open_fresh && !reset_requested => Some(s.last_watermark.clone()),
             _ => None,
         };
-        let stream = self.source.open(resume.as_deref()).await?;
+        let stream = match (&resume, &state) {
+            (Some(watermark), Some(s)) => {
+                self.source.open(Some(Resume { watermark, replica_version: &s.replica_version })).await?
+            }
+            _ => self.source.open(None).await?,
+        };
         let rv = stream.replica_version().to_string();
         let logged_rv = state.as_ref().map(|s| s.replica_version.as_str());
         match state.as_ref() {

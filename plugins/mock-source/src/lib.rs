@@ -12,7 +12,7 @@ use serde::Deserialize;
 
 wit_bindgen::generate!({ path: "../../wit", world: "source-plugin" });
 
-use exports::sluice::plugin::source::{ChangeStream, Guest, GuestChangeStream};
+use exports::sluice::plugin::source::{ChangeStream, Guest, GuestChangeStream, ResumePoint};
 use sluice::plugin::types::{Begin, Commit, Insert, KeyType, Message, PluginError, Relation, Value};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -99,7 +99,8 @@ struct Component;
 impl Guest for Component {
     type ChangeStream = MockStream;
 
-    fn open(config: String, resume_after: Option<String>) -> Result<ChangeStream, PluginError> {
+    fn open(config: String, resume: Option<ResumePoint>) -> Result<ChangeStream, PluginError> {
+        let resume_after = resume.map(|r| r.watermark);
         let config: Config = if config.trim().is_empty() {
             Config::default()
         } else {

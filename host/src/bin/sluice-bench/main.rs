@@ -15,6 +15,7 @@ use sluice::storage::sqlite::{Durability, SqliteChangeLog};
 use sluice::streamer::{Streamer, StreamerOptions};
 use tokio::sync::watch;
 
+mod custom_source;
 mod filters;
 mod pg_source;
 
@@ -27,7 +28,7 @@ async fn main() -> anyhow::Result<()> {
     let tmp = std::env::temp_dir().join(format!("sluice-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
     let registry = Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?;
-    // `sluice-bench [boundary|store|postgres|pgsource|fanout|filters|catchup ...]`: all by default.
+    // `sluice-bench [boundary|store|custom|postgres|pgsource|fanout|filters|catchup ...]`: all by default.
     let only: Vec<String> = std::env::args().skip(1).collect();
     let run = |section: &str| only.is_empty() || only.iter().any(|o| o == section);
     println!("# Sluice benchmarks ({} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
@@ -49,6 +50,10 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         sqlite_ceiling(&tmp)?;
+    }
+    if run("custom") {
+        println!("\n## zero-custom-source (local WebSocket upstream) vs mock-source -> SQLite (sync Full), durable changes/s");
+        custom_source::run(&registry, &tmp).await?;
     }
     let pg_url = std::env::var("SLUICE_TEST_PG_URL").ok();
     if pg_url.is_none() {
@@ -350,6 +355,17 @@ async fn store(
     durability: Durability,
 ) -> anyhow::Result<()> {
     let txs: u64 = (if row_bytes > 512 { 200_000 } else { 500_000 } / rows as u64).clamp(2_000, 200_000);
+    store_with(registry, tmp, txs, rows, row_bytes, durability).await
+}
+
+async fn store_with(
+    registry: &Registry,
+    tmp: &Path,
+    txs: u64,
+    rows: u32,
+    row_bytes: usize,
+    durability: Durability,
+) -> anyhow::Result<()> {
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": rows, "row_bytes": row_bytes}).to_string();
     let source =
         registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
@@ -374,7 +390,7 @@ async fn store(
     let bytes =
         std::fs::metadata(&db)?.len() + std::fs::metadata(db.with_extension("db-wal")).map(|m| m.len()).unwrap_or(0);
     println!(
-        "{rows:>3} rows/tx of {row_bytes:>4} B, sync {:<6}: {:>8.0} tx/s, {:>9.0} changes/s ({txs} tx in {secs:.2} s, log {} MiB)",
+        "mock-source        {rows:>3} rows/tx of {row_bytes:>4} B, sync {:<6}: {:>8.0} tx/s, {:>9.0} changes/s ({txs} tx in {secs:.2} s, log {} MiB)",
         format!("{durability:?}"),
         txs as f64 / secs,
         (txs * rows as u64) as f64 / secs,

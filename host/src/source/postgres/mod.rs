@@ -20,7 +20,7 @@ use std::str::FromStr;
 use async_trait::async_trait;
 use serde::Deserialize;
 
-use crate::source::{ChangeSource, ChangeStream, SourceError};
+use crate::source::{ChangeSource, ChangeStream, Resume, SourceError};
 
 /// `--source-config` of `--source postgres`.
 #[derive(Debug, Clone, Deserialize)]
@@ -116,7 +116,7 @@ impl ChangeSource for PostgresSource {
         "postgres"
     }
 
-    async fn open(&mut self, resume_after: Option<&str>) -> Result<Box<dyn ChangeStream>, SourceError> {
+    async fn open(&mut self, resume: Option<Resume<'_>>) -> Result<Box<dyn ChangeStream>, SourceError> {
         let upstream = setup::Upstream::connect(&self.pg, &self.config).await?;
         if !upstream.ddl_detection && !self.warned_degraded {
             self.warned_degraded = true;
@@ -125,7 +125,7 @@ impl ChangeSource for PostgresSource {
                  relation messages, and those that cannot be followed require a reset"
             );
         }
-        if let Some(watermark) = resume_after {
+        if let Some(watermark) = resume.map(|r| r.watermark) {
             match upstream.existing_slot().await? {
                 // The snapshot never made it into the change log: take a new one.
                 setup::SlotState::Usable { replica_version } if replica_version == watermark => {}

@@ -1,0 +1,422 @@
+//! The zero-custom-source plugin against a test upstream that speaks Zero's
+//! custom change-source protocol over a real socket: the initial snapshot,
+//! every message and change tag, upstream acks, a connection cut inside a
+//! transaction, restarts of Sluice, malformed and out-of-order frames, an
+//! upstream that is not reachable yet, and the network sandbox.
+
+#[macro_use]
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::custom_upstream::{column, event, insert, param, query_params, relation, snapshot, Fault, Tx, Upstream, SNAPSHOT};
+use common::ws::Client;
+use common::*;
+use serde_json::{json, Value};
+use sluice::hub::Hub;
+use sluice::plugin::{Limits, NetGrant, Registry};
+use sluice::server::AppState;
+use sluice::status::{SourceState, Status};
+use sluice::streamer::{Streamer, StreamerOptions};
+use tokio::sync::watch;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn wm(i: u32) -> String {
+    format!("1{i:04}")
+}
+
+/// Sluice in-process: the streamer on the plugin, a SQLite change log, the
+/// subscriber endpoint. Restartable over the same change log.
+struct Sluice {
+    dir: tempfile::TempDir,
+    addr: String,
+    status: Arc<Status>,
+    hub: Arc<Hub>,
+    registry: Arc<Registry>,
+    config: String,
+    grant: NetGrant,
+    streamer: Option<(watch::Sender<bool>, tokio::task::JoinHandle<anyhow::Result<()>>)>,
+    _server_stop: watch::Sender<bool>,
+}
+
+impl Sluice {
+    async fn start(config: Value) -> Sluice {
+        let config = config.to_string();
+        let endpoints = sluice::plugin::net::config_endpoints(&config).unwrap();
+        Sluice::start_with_grant(config, sluice::plugin::net::resolve(&endpoints).unwrap()).await
+    }
+
+    async fn start_with_grant(config: String, grant: NetGrant) -> Sluice {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = LogSpec::new(Backend::Sqlite, dir.path());
+        let (_, reader) = spec.open();
+        let status = Arc::new(Status::default());
+        let hub = Hub::new(reader, status.clone());
+        let (server_stop, stop_rx) = watch::channel(false);
+        let app = AppState {
+            hub: hub.clone(),
+            status: status.clone(),
+            subscriber_limits: sluice::subscriber::Limits::default(),
+            ping_interval: Duration::from_secs(30),
+            filters: sluice::filter::FilterHost::none(),
+        };
+        let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
+        tokio::spawn(serve);
+        let registry = Arc::new(Registry::load(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap());
+        let mut s = Sluice {
+            dir,
+            addr: addr.to_string(),
+            status,
+            hub,
+            registry,
+            config,
+            grant,
+            streamer: None,
+            _server_stop: server_stop,
+        };
+        s.run();
+        s
+    }
+
+    fn run(&mut self) {
+        let (log, _) = LogSpec::new(Backend::Sqlite, self.dir.path()).open();
+        let source = self
+            .registry
+            .source("zero-custom-source", self.config.clone(), Limits::default(), self.grant.clone())
+            .unwrap();
+        let streamer =
+            Streamer::new(Box::new(source), log, self.hub.clone(), StreamerOptions::default(), self.status.clone());
+        let (stop, stop_rx) = watch::channel(false);
+        self.streamer = Some((stop, tokio::spawn(streamer.run(stop_rx))));
+    }
+
+    async fn restart(&mut self) {
+        let (stop, task) = self.streamer.take().expect("running");
+        let _ = stop.send(true);
+        task.await.unwrap().unwrap();
+        self.run();
+    }
+
+    async fn stored(&self, w: &str) {
+        wait_stored(&self.status, w).await;
+    }
+
+    /// Waits for the source to be backing off with an error containing `text`.
+    async fn backing_off_with(&self, text: &str) -> String {
+        let st = self.status.clone();
+        let text = text.to_string();
+        wait_until(&format!("a back-off naming {text:?}"), WAIT, || {
+            let s = st.snapshot();
+            let text = text.clone();
+            async move { matches!(&s.source, SourceState::BackingOff { last_error, .. } if last_error.contains(&text)) }
+        })
+        .await;
+        match self.status.snapshot().source {
+            SourceState::BackingOff { last_error, .. } => last_error,
+            _ => unreachable!(),
+        }
+    }
+}
+
+fn config(up: &Upstream) -> Value {
+    json!({"url": up.url(), "appID": "zero", "shardNum": 0, "publications": ["pub_a", "pub_b"]})
+}
+
+/// Reads messages up to and including the commit at `last`, returning them
+/// as parsed JSON.
+async fn read_through(client: &mut Client, last: &str) -> Vec<Value> {
+    let mut out = Vec::new();
+    loop {
+        let m = client.next().await.expect("the stream stays open");
+        let v: Value = serde_json::from_str(&m).unwrap();
+        let done = v[0] == "commit" && v[2]["watermark"] == last;
+        out.push(v);
+        if done {
+            return out;
+        }
+    }
+}
+
+/// Commit watermarks in the order received.
+fn commits(messages: &[Value]) -> Vec<String> {
+    messages.iter().filter(|m| m[0] == "commit").map(|m| m[2]["watermark"].as_str().unwrap().to_string()).collect()
+}
+
+/// Every transaction in `history` arrived exactly once, whole and in order,
+/// after the snapshot; interrupted attempts end in a rollback.
+fn assert_exactly_once(messages: &[Value], history: &[Tx]) {
+    let mut expected: Vec<String> = vec![format!("{SNAPSHOT}.01")];
+    expected.extend(history.iter().map(|t| t.watermark.clone()));
+    assert_eq!(commits(messages), expected);
+    let mut open: Option<String> = None;
+    for m in messages {
+        match m[0].as_str().unwrap() {
+            "begin" => {
+                assert!(open.is_none(), "begin inside {open:?}");
+                open = Some(m[2]["commitWatermark"].as_str().unwrap().to_string());
+            }
+            "commit" | "rollback" => assert!(open.take().is_some(), "{m} outside a transaction"),
+            "data" => assert!(open.is_some(), "data outside a transaction: {m}"),
+            _ => {}
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_then_every_message_and_tag_converted() {
+    init_logs();
+    let up = Upstream::start(snapshot(3)).await;
+    let history = vec![
+        // Rows: a key change, an update without one, a delete, JSON and exact numbers.
+        Tx::new(
+            &wm(1),
+            &[
+                insert("events", 10, json!({"big": 18446744073709551615u64, "note": "line\n\"quoted\""})),
+                json!({"tag": "update", "relation": relation("events"), "key": {"id": 10}, "new": {"id": 11, "big": 5, "note": null}}),
+                json!({"tag": "update", "relation": relation("events"), "key": null, "new": {"id": 11, "big": 6, "note": "x"}}),
+                json!({"tag": "delete", "relation": relation("events"), "key": {"id": 0}}),
+                json!({"tag": "truncate", "relations": [relation("events")]}),
+            ],
+        ),
+        // Deprecated keyColumns/replicaIdentity instead of rowKey, and a
+        // table whose rows name columns at different times.
+        Tx::new(
+            &wm(2),
+            &[
+                json!({"tag": "insert", "relation": {"schema": "public", "name": "docs", "keyColumns": ["id"], "replicaIdentity": "full"},
+                   "new": {"id": 1, "doc": {"a": [1, 2, {"b": null}]}}}),
+                json!({"tag": "insert", "relation": {"schema": "public", "name": "docs", "keyColumns": ["id"], "replicaIdentity": "full"},
+                   "new": {"id": 2, "doc": [], "added": true}}),
+            ],
+        ),
+        // Every schema change.
+        Tx::new(
+            &wm(3),
+            &[
+                json!({"tag": "add-column", "table": {"schema": "public", "name": "events"},
+                   "column": {"name": "extra", "spec": {"pos": 4, "dataType": "varchar", "characterMaximumLength": 20, "notNull": false, "dflt": "'x'::text"}},
+                   "tableMetadata": {"rowKey": {"id": {"attNum": 1}}}}),
+                json!({"tag": "update-column", "table": {"schema": "public", "name": "events"},
+                   "old": {"name": "extra", "spec": column(4, "varchar")}, "new": {"name": "extra2", "spec": column(4, "text")}}),
+                json!({"tag": "drop-column", "table": {"schema": "public", "name": "events"}, "column": "extra2"}),
+                json!({"tag": "rename-table", "old": {"schema": "public", "name": "docs"}, "new": {"schema": "public", "name": "documents"}}),
+                json!({"tag": "update-table-metadata", "table": {"schema": "public", "name": "events"},
+                   "old": {"rowKey": {"id": {"attNum": 1}}}, "new": {"rowKey": {"id": {"attNum": 1}}, "v": 2}}),
+                json!({"tag": "create-index", "spec": {"schema": "public", "name": "ix", "tableName": "events", "unique": false,
+                   "columns": {"big": "DESC", "id": "ASC"}}}),
+                json!({"tag": "drop-index", "id": {"schema": "public", "name": "ix"}}),
+                json!({"tag": "drop-table", "id": {"schema": "public", "name": "documents"}}),
+                json!({"tag": "create-table", "spec": {"schema": "public", "name": "later", "columns": {"k": {"pos": 1, "dataType": "text", "pgTypeClass": "b"}}},
+                   "metadata": {"rowKey": {"k": {"attNum": 1}}}}),
+            ],
+        ),
+        // Begin extras (stringified JSON values) and commit extras pass on.
+        Tx::with_begin(
+            &wm(4),
+            json!({"tag": "begin", "json": "s", "xid": 77}),
+            &[insert("events", 20, json!({"big": 1, "note": "{\"stringified\":true}"}))],
+        ),
+    ];
+    for tx in &history {
+        up.append(tx.clone());
+    }
+    let sluice = Sluice::start(config(&up)).await;
+    sluice.stored(&wm(4)).await;
+    assert_eq!(sluice.status.snapshot().replica_version.as_deref(), Some(SNAPSHOT));
+
+    // zero-cache's query parameters on a fresh connection.
+    let q = &up.connections()[0];
+    assert_eq!(param(q, "appID").as_deref(), Some("zero"));
+    assert_eq!(param(q, "shardNum").as_deref(), Some("0"));
+    assert_eq!(query_params(q, "publications"), ["pub_a", "pub_b"]);
+    assert_eq!(param(q, "lastWatermark"), None);
+    assert_eq!(param(q, "replicaVersion"), None);
+
+    let mut client = Client::subscribe_at(&sluice.addr, SNAPSHOT, SNAPSHOT).await;
+    let got = read_through(&mut client, &wm(4)).await;
+    assert_eq!(got[0][0], "status");
+    assert_exactly_once(&got, &history);
+
+    // Every change arrives as the upstream sent it. (Rows of a relation are
+    // compared as objects: Sluice lists key columns first.)
+    let sent: Vec<Value> = std::iter::once(snapshot(3))
+        .chain(history.iter().cloned())
+        .flat_map(|t| t.frames)
+        .map(|f| serde_json::from_str::<Value>(&f).unwrap())
+        .filter(|f| f[0] == "data")
+        .map(|f| f[1].clone())
+        .collect();
+    let received: Vec<Value> = got.iter().filter(|m| m[0] == "data").map(|m| m[1].clone()).collect();
+    assert_eq!(received.len(), sent.len());
+    for (r, s) in received.iter().zip(&sent) {
+        let mut expected = s.clone();
+        // Relations arrive in the current form (rowKey), as Zero normalises them.
+        if let Some(rel) = expected.get_mut("relation") {
+            if let Some(cols) = rel.get("keyColumns").cloned() {
+                let kind = rel["replicaIdentity"].clone();
+                *rel = json!({"schema": rel["schema"], "name": rel["name"], "rowKey": {"columns": cols, "type": kind}});
+            }
+        }
+        assert_eq!(r, &expected);
+    }
+    // Exact numbers: u64::MAX and 2^60 + id, as written.
+    let text: Vec<String> = got.iter().map(|m| m.to_string()).collect();
+    assert!(text.iter().any(|t| t.contains("18446744073709551615")));
+    assert!(text.iter().any(|t| t.contains(&((1i64 << 60) + 2).to_string())));
+    // Begin and commit extras.
+    let begin4 = got.iter().find(|m| m[0] == "begin" && m[2]["commitWatermark"] == wm(4).as_str()).unwrap();
+    assert_eq!(begin4[1], json!({"tag": "begin", "json": "s", "xid": 77}));
+
+    // The host's acks reach the upstream as zero-cache's status frames.
+    let acked = json!(["status", {"tag": "commit"}, {"watermark": wm(4)}]);
+    wait_until("the upstream to receive the commit ack", WAIT, || {
+        let got = up.received();
+        let acked = acked.clone();
+        async move { got.contains(&acked) }
+    })
+    .await;
+    // The initial snapshot is not acked (zero-cache never acks its initial sync).
+    assert!(!up.received().iter().any(|f| f[2]["watermark"] == SNAPSHOT || f[2]["watermark"] == "0a.01"));
+}
+
+/// Waits until the upstream received `frame`.
+async fn upstream_receives(up: &Upstream, frame: Value) {
+    wait_until(&format!("the upstream to receive {frame}"), WAIT, || {
+        let got = up.received();
+        let frame = frame.clone();
+        async move { got.contains(&frame) }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statuses_are_echoed_and_skip_ack_transactions_are_not_acked() {
+    init_logs();
+    let up = Upstream::start(snapshot(1)).await;
+    let sluice = Sluice::start(config(&up)).await;
+    up.append(Tx::new(&wm(1), &[event(1)]));
+    upstream_receives(&up, json!(["status", {"tag": "commit"}, {"watermark": wm(1)}])).await;
+    // A status asking for an ack is echoed once every commit before it is durable.
+    let status1 = format!("{}x", wm(1));
+    up.append_status(&status1);
+    upstream_receives(&up, json!(["status", {"ack": true}, {"watermark": status1}])).await;
+    // A skipAck transaction is stored but never acked; the echo of a later
+    // status (which the host sends only after acking that commit) proves
+    // the ack was withheld, not merely late.
+    up.append(Tx::with_begin(&wm(2), json!({"tag": "begin", "skipAck": true}), &[event(2)]));
+    sluice.stored(&wm(2)).await;
+    let status2 = format!("{}x", wm(2));
+    up.append_status(&status2);
+    upstream_receives(&up, json!(["status", {"ack": true}, {"watermark": status2}])).await;
+    assert!(!up.received().iter().any(|f| f[2]["watermark"] == wm(2).as_str()), "{:?}", up.received());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_inside_a_transaction_is_rolled_back_and_delivered_whole_later() {
+    init_logs();
+    let up = Upstream::start(snapshot(2)).await;
+    let sluice = Sluice::start(config(&up)).await;
+    sluice.stored(&format!("{SNAPSHOT}.01")).await;
+    let mut client = Client::subscribe_at(&sluice.addr, SNAPSHOT, SNAPSHOT).await;
+    let mut history = Vec::new();
+    for i in 1..=3u32 {
+        history.push(Tx::new(&wm(i), &[event(i as i64 * 10), event(i as i64 * 10 + 1), event(i as i64 * 10 + 2)]));
+    }
+    up.fault(Fault::CutInside(wm(2)));
+    for tx in &history {
+        up.append(tx.clone());
+    }
+    let got = read_through(&mut client, &wm(3)).await;
+    assert_exactly_once(&got, &history);
+    // The cut transaction began, was rolled back, and came again whole.
+    let begins2 = got.iter().filter(|m| m[0] == "begin" && m[2]["commitWatermark"] == wm(2).as_str()).count();
+    assert_eq!(begins2, 2, "{got:?}");
+    assert!(got.iter().any(|m| m[0] == "rollback"));
+    // The reconnection resumed after the last durable commit.
+    let conns = up.connections();
+    assert!(conns.len() >= 2);
+    assert_eq!(param(&conns[1], "lastWatermark"), Some(wm(1)));
+    assert_eq!(param(&conns[1], "replicaVersion").as_deref(), Some(SNAPSHOT));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_resumes_with_last_watermark_and_replica_version() {
+    init_logs();
+    let up = Upstream::start(snapshot(2)).await;
+    let mut sluice = Sluice::start(config(&up)).await;
+    sluice.stored(&format!("{SNAPSHOT}.01")).await;
+    // Restart with only the snapshot stored: the upstream is asked for what
+    // follows the snapshot's own watermark.
+    sluice.restart().await;
+    let mut history = vec![Tx::new(&wm(1), &[event(100)]), Tx::new(&wm(2), &[event(101)])];
+    for tx in &history {
+        up.append(tx.clone());
+    }
+    sluice.stored(&wm(2)).await;
+    sluice.restart().await;
+    history.push(Tx::new(&wm(3), &[event(102)]));
+    up.append(history[2].clone());
+    sluice.stored(&wm(3)).await;
+
+    let conns = up.connections();
+    assert_eq!(conns.len(), 3, "{conns:?}");
+    assert_eq!(param(&conns[1], "lastWatermark").as_deref(), Some(SNAPSHOT));
+    assert_eq!(param(&conns[1], "replicaVersion").as_deref(), Some(SNAPSHOT));
+    assert_eq!(param(&conns[2], "lastWatermark"), Some(wm(2)));
+    assert_eq!(param(&conns[2], "replicaVersion").as_deref(), Some(SNAPSHOT));
+
+    // A subscriber from the start sees every transaction once.
+    let mut client = Client::subscribe_at(&sluice.addr, SNAPSHOT, SNAPSHOT).await;
+    let got = read_through(&mut client, &wm(3)).await;
+    assert_exactly_once(&got, &history);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_out_of_order_frames_are_named_and_the_stream_recovers() {
+    init_logs();
+    let up = Upstream::start(snapshot(1)).await;
+    let sluice = Sluice::start(config(&up)).await;
+    sluice.stored(&format!("{SNAPSHOT}.01")).await;
+    let mut client = Client::subscribe_at(&sluice.addr, SNAPSHOT, SNAPSHOT).await;
+    let history: Vec<Tx> = (1..=3).map(|i| Tx::new(&wm(i), &[event(i as i64)])).collect();
+    up.fault(Fault::MalformedBefore(wm(2)));
+    up.fault(Fault::FrameBefore(json!(["data", event(99)]).to_string(), wm(3)));
+    up.append(history[0].clone());
+    up.append(history[1].clone());
+    let err = sluice.backing_off_with("bad message from the upstream").await;
+    assert!(err.contains("{not json"), "{err}");
+    sluice.stored(&wm(2)).await;
+    up.append(history[2].clone());
+    let err = sluice.backing_off_with("a data change outside a transaction").await;
+    assert!(err.contains("\"id\":99"), "{err}");
+    let got = read_through(&mut client, &wm(3)).await;
+    assert_exactly_once(&got, &history);
+    assert!(!got.iter().any(|m| m[1]["new"]["id"] == 99));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_upstream_is_retried_until_it_comes_up() {
+    init_logs();
+    // A port nothing listens on yet.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let cfg = json!({"url": format!("http://{addr}/changes/v0/stream"), "appID": "zero"});
+    let sluice = Sluice::start(cfg).await;
+    let err = sluice.backing_off_with("cannot reach the upstream").await;
+    assert!(err.contains(&addr.to_string()), "{err}");
+    let up = Upstream::start_on(addr, snapshot(2)).await;
+    up.append(Tx::new(&wm(1), &[event(5)]));
+    sluice.stored(&wm(1)).await;
+    assert_eq!(param(&up.connections()[0], "appID").as_deref(), Some("zero"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_network_grant_the_plugin_reaches_nothing() {
+    init_logs();
+    let up = Upstream::start(snapshot(1)).await;
+    let sluice = Sluice::start_with_grant(config(&up).to_string(), NetGrant::default()).await;
+    let err = sluice.backing_off_with("cannot reach the upstream").await;
+    assert!(err.to_lowercase().contains("permission denied"), "{err}");
+    assert!(up.connections().is_empty());
+}
