@@ -10,7 +10,7 @@
 // ORACLE is `mock` (the default: the mock source's commits lexi(1)..lexi(N))
 // or `events` (a Postgres upstream whose transactions insert rows into table
 // `events` with ids 0..EVENTS-1 and big = 2^60 + id: commits must grow and
-// every id must arrive exactly once).
+// every id must arrive exactly once in a committed transaction).
 
 const zeroSrc = new URL('./node_modules/@rocicorp/zero/out/zero-cache/src/', import.meta.url);
 const { ChangeStreamerHttpClient } = await import(new URL('services/change-streamer/change-streamer-http.js', zeroSrc));
@@ -61,6 +61,9 @@ while (commits.length < want && reconnects < 200) {
   }
   let first = true;
   let open = null;
+  // Events of the open transaction: they count once it commits (a
+  // transaction cut by a disconnect is redelivered whole).
+  let pending = [];
   try {
     for await (const msg of sub) {
       messages++;
@@ -81,7 +84,7 @@ while (commits.length < want && reconnects < 200) {
       } else if (kind === 'data') {
         if (!open) fail('data outside a transaction');
         if (body.tag === 'insert' && oracle === 'events' && body.relation.name === 'events') {
-          eventIds.set(Number(body.new.id), (eventIds.get(Number(body.new.id)) ?? 0) + 1);
+          pending.push(Number(body.new.id));
         }
         if (body.tag === 'insert' && (oracle === 'mock' || body.relation.name === 'events')) {
           const { id, big } = body.new;
@@ -89,10 +92,13 @@ while (commits.length < want && reconnects < 200) {
         }
       } else if (kind === 'rollback') {
         open = null;
+        pending = [];
       } else if (kind === 'commit') {
         const w = extra.watermark;
         if (w !== open) fail(`commit ${w} does not match begin ${open}`);
         open = null;
+        for (const id of pending) eventIds.set(id, (eventIds.get(id) ?? 0) + 1);
+        pending = [];
         commits.push(w);
         watermark = w;
         console.log(`commit ${w}`);
