@@ -173,28 +173,33 @@ impl Upstream {
                 let frames = match fault {
                     Some(Fault::CutInside(_)) => {
                         for f in &tx.frames[..tx.frames.len() / 2] {
-                            if ws.send(Ws::Text(f.clone().into())).await.is_err() {
+                            if ws.feed(Ws::Text(f.clone().into())).await.is_err() {
                                 return;
                             }
                         }
+                        let _ = ws.flush().await;
                         // Drop the TCP connection without a close frame.
                         return;
                     }
                     Some(Fault::MalformedBefore(_)) => {
-                        let _ = ws.send(Ws::Text("[\"data\", {not json".into())).await;
+                        let _ = ws.feed(Ws::Text("[\"data\", {not json".into())).await;
                         tx.frames
                     }
                     Some(Fault::FrameBefore(frame, _)) => {
-                        let _ = ws.send(Ws::Text(frame.into())).await;
+                        let _ = ws.feed(Ws::Text(frame.into())).await;
                         tx.frames
                     }
                     None => tx.frames,
                 };
+                // Queued, and written in large chunks.
                 for f in frames {
-                    if ws.send(Ws::Text(f.into())).await.is_err() {
+                    if ws.feed(Ws::Text(f.into())).await.is_err() {
                         return;
                     }
                 }
+            }
+            if ws.flush().await.is_err() {
+                return;
             }
             tokio::select! {
                 _ = wake => {}

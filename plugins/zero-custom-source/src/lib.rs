@@ -225,7 +225,7 @@ impl Stream {
             }
             match self.socket.read(true).map_err(PluginError::Transient)? {
                 Frame::Idle => continue,
-                Frame::Text(frame) => self.handle(&frame, &mut out)?,
+                Frame::Text(frame) => self.handle(frame.as_str(), &mut out)?,
             }
         }
         self.ready = out;
@@ -247,7 +247,7 @@ impl Stream {
                 Err(e) => return self.fail(out, PluginError::Transient(e)),
             };
             let before = out.len();
-            if let Err(e) = self.handle(&frame, &mut out) {
+            if let Err(e) = self.handle(frame.as_str(), &mut out) {
                 out.truncate(before);
                 return self.fail(out, e);
             }

@@ -23,6 +23,9 @@ use crate::sluice::plugin::types::{
     UpdateTableMetadata, Value,
 };
 
+/// Distinct relation objects remembered per connection.
+const MAX_RELATIONS: usize = 4096;
+
 /// Why a frame was refused. `unsupported` marks features Zero's custom
 /// sources do not have either (backfill): retrying cannot help.
 #[derive(Debug)]
@@ -119,6 +122,13 @@ impl Converter {
     }
 
     fn data(&mut self, body: &str, out: &mut Vec<Message>) -> Result<(), FrameError> {
+        // Relation texts that vary from row to row (an upstream that puts
+        // something changing into them) must not grow the map without bound:
+        // start over, and relations are declared again as they are seen.
+        if self.tables.len() >= MAX_RELATIONS {
+            self.ids.clear();
+            self.tables.clear();
+        }
         let b: Body = serde_json::from_str(body).map_err(|e| json_err("data", e))?;
         let tag = b.tag.as_ref();
         fn need<'r>(field: Option<&'r RawValue>, tag: &str, name: &str) -> Result<&'r RawValue, FrameError> {

@@ -27,7 +27,7 @@ pub struct Socket {
 
 /// What one read produced.
 pub enum Frame {
-    Text(String),
+    Text(tungstenite::Utf8Bytes),
     /// Nothing arrived in time.
     Idle,
 }
@@ -76,7 +76,7 @@ impl Socket {
             match self.ws.read() {
                 Ok(Message::Text(t)) => {
                     self.last_heard = Instant::now();
-                    return Ok(Frame::Text(t.as_str().to_owned()));
+                    return Ok(Frame::Text(t));
                 }
                 Ok(Message::Binary(b)) => {
                     return Err(format!("the upstream sent a binary frame of {} bytes; the protocol is text", b.len()))
