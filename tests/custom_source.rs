@@ -10,7 +10,9 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::custom_upstream::{column, event, insert, param, query_params, relation, snapshot, Fault, Tx, Upstream, SNAPSHOT};
+use common::custom_upstream::{
+    column, event, insert, param, query_params, relation, snapshot, Fault, Tx, Upstream, SNAPSHOT,
+};
 use common::ws::Client;
 use common::*;
 use serde_json::{json, Value};
@@ -394,6 +396,25 @@ async fn malformed_and_out_of_order_frames_are_named_and_the_stream_recovers() {
     let got = read_through(&mut client, &wm(3)).await;
     assert_exactly_once(&got, &history);
     assert!(!got.iter().any(|m| m[1]["new"]["id"] == 99));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_upstream_is_told_apart_by_pings_and_left() {
+    init_logs();
+    let up = Upstream::start(snapshot(1)).await;
+    let mut cfg = config(&up);
+    cfg["pingIntervalMs"] = json!(300);
+    let sluice = Sluice::start(cfg).await;
+    let history: Vec<Tx> = (1..=2).map(|i| Tx::new(&wm(i), &[event(i as i64)])).collect();
+    up.fault(Fault::StallBefore(wm(2)));
+    up.append(history[0].clone());
+    up.append(history[1].clone());
+    // The stalled connection holds the TCP socket open: only the missing
+    // pongs tell it apart from a quiet upstream.
+    sluice.backing_off_with("not even a pong").await;
+    sluice.stored(&wm(2)).await;
+    assert!(up.connections().len() >= 2);
+    up.shutdown();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

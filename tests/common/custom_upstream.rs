@@ -45,6 +45,9 @@ pub enum Fault {
     MalformedBefore(String),
     /// Send this frame (verbatim) just before this transaction.
     FrameBefore(String, String),
+    /// Go silent before this transaction: keep the connection open but
+    /// neither send nor read (so pings go unanswered).
+    StallBefore(String),
 }
 
 #[derive(Default)]
@@ -164,9 +167,10 @@ impl Upstream {
                 let fault = {
                     let mut st = self.state.lock().unwrap();
                     let i = st.faults.iter().position(|f| match f {
-                        Fault::CutInside(w) | Fault::MalformedBefore(w) | Fault::FrameBefore(_, w) => {
-                            *w == tx.watermark
-                        }
+                        Fault::CutInside(w)
+                        | Fault::MalformedBefore(w)
+                        | Fault::FrameBefore(_, w)
+                        | Fault::StallBefore(w) => *w == tx.watermark,
                     });
                     i.map(|i| st.faults.remove(i))
                 };
@@ -184,6 +188,11 @@ impl Upstream {
                     Some(Fault::MalformedBefore(_)) => {
                         let _ = ws.feed(Ws::Text("[\"data\", {not json".into())).await;
                         tx.frames
+                    }
+                    Some(Fault::StallBefore(_)) => {
+                        let _ = ws.flush().await;
+                        self.stop.notified().await;
+                        return;
                     }
                     Some(Fault::FrameBefore(frame, _)) => {
                         let _ = ws.feed(Ws::Text(frame.into())).await;

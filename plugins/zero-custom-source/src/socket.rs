@@ -122,7 +122,7 @@ impl Socket {
         }
         if self.last_heard < self.last_ping {
             return Err(format!(
-                "the upstream answered neither a ping nor with a message for {} ms",
+                "the upstream sent nothing, not even a pong, for {} ms",
                 self.last_ping.elapsed().as_millis()
             ));
         }

@@ -33,9 +33,12 @@ pub async fn run(registry: &Registry, tmp: &Path) -> anyhow::Result<()> {
 /// Rows shaped like the mock source's: id, a big integer, a payload, the tx.
 fn history(txs: u64, rows: u32, row_bytes: usize) -> (Tx, Vec<Tx>) {
     let relation = serde_json::json!({"schema": "public", "name": "bench", "rowKey": {"columns": ["id"]}});
-    let snapshot = Tx::new("0a", &[serde_json::json!({"tag": "create-table", "spec": {"schema": "public",
+    let snapshot = Tx::new(
+        "0a",
+        &[serde_json::json!({"tag": "create-table", "spec": {"schema": "public",
         "name": "bench", "columns": {"id": {"pos": 1, "dataType": "int8"}, "big": {"pos": 2, "dataType": "int8"},
-        "payload": {"pos": 3, "dataType": "text"}, "tx": {"pos": 4, "dataType": "int8"}}, "primaryKey": ["id"]}})]);
+        "payload": {"pos": 3, "dataType": "text"}, "tx": {"pos": 4, "dataType": "int8"}}, "primaryKey": ["id"]}})],
+    );
     let payload = "x".repeat(row_bytes.saturating_sub(40));
     let history = (1..=txs)
         .map(|t| {
