@@ -4,7 +4,7 @@ PLUGINS := mock-source zero-custom-source table-filter row-filter redact bad-fil
 GUESTS := $(addprefix --exclude ,$(PLUGINS))
 PLUGIN_DIR := target/plugins
 
-.PHONY: all build plugins interop-deps demo test bench fmt lint clean
+.PHONY: all build plugins interop-deps demo test chaos bench fmt lint clean
 
 all: build plugins
 
@@ -43,6 +43,13 @@ test: plugins interop-deps
 	$(CARGO) build --tests
 	tests/pg/with-postgres.sh $(CARGO) test --workspace $(GUESTS) -- --test-threads=2
 
+# The crash-safety suite for longer: each chaos variant kills and restarts
+# Sluice for SLUICE_CHAOS_SECONDS (default 120), then the fuzzers run for
+# SLUICE_FUZZ_SECONDS each. SLUICE_CHAOS_SEED replays a run.
+chaos: plugins
+	$(CARGO) build --tests
+	SLUICE_CHAOS_SECONDS=$${SLUICE_CHAOS_SECONDS:-120} SLUICE_FUZZ_SECONDS=$${SLUICE_FUZZ_SECONDS:-60} \
+		tests/pg/with-postgres.sh $(CARGO) test --test chaos -- --nocapture --test-threads=1
 
 bench: plugins
 	$(CARGO) build --release --bin sluice --bin sluice-bench

@@ -426,8 +426,8 @@ async fn bad_plugin_files_are_reported_and_the_rest_load() {
     assert!(by("core").error.as_deref().unwrap().contains("core WebAssembly module, not a component"));
     let newer = by("newer").error.as_deref().unwrap();
     assert!(newer.contains("speaks sluice:plugin@0.3.0, but this host speaks sluice:plugin@0.2.x"), "{newer}");
-    assert!(registry.source("garbage", "{}".into(), Limits::default(), Default::default()).is_err());
-    let err = registry.source("nope", "{}".into(), Limits::default(), Default::default()).err().unwrap();
+    assert!(registry.source("garbage", "{}".into(), Limits::default(), Default::default()).await.is_err());
+    let err = registry.source("nope", "{}".into(), Limits::default(), Default::default()).await.err().unwrap();
     assert!(err.contains("unknown source \"nope\"") && err.contains("good"), "{err}");
 
     // A second load comes from the compiled-code cache.

@@ -78,15 +78,16 @@ impl Sluice {
             streamer: None,
             _server_stop: server_stop,
         };
-        s.run();
+        s.run().await;
         s
     }
 
-    fn run(&mut self) {
+    async fn run(&mut self) {
         let (log, _) = LogSpec::new(Backend::Sqlite, self.dir.path()).open();
         let source = self
             .registry
             .source("zero-custom-source", self.config.clone(), Limits::default(), self.grant.clone())
+            .await
             .unwrap();
         let streamer =
             Streamer::new(Box::new(source), log, self.hub.clone(), StreamerOptions::default(), self.status.clone());
@@ -98,7 +99,7 @@ impl Sluice {
         let (stop, task) = self.streamer.take().expect("running");
         let _ = stop.send(true);
         task.await.unwrap().unwrap();
-        self.run();
+        self.run().await;
     }
 
     async fn stored(&self, w: &str) {

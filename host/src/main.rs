@@ -233,7 +233,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     // is a plugin. Filters come from the same directory.
     let builtin = args.source == "postgres";
     let registry = if !builtin || args.plugins.is_dir() {
-        Some(Arc::new(Registry::load(&args.plugins, Some(cache_dir)).await?))
+        Some(Arc::new(Registry::open(&args.plugins, Some(cache_dir)).await?))
     } else {
         None
     };
@@ -241,10 +241,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         _ if builtin => Box::new(PostgresSource::new(&config).map_err(anyhow::Error::msg)?),
         Some(registry) => {
             let net = resolve_net(&config, &args.allow_net)?;
-            Box::new(registry.source(&args.source, config, limits, net).map_err(anyhow::Error::msg)?)
+            Box::new(registry.source(&args.source, config, limits, net).await.map_err(anyhow::Error::msg)?)
         }
         None => unreachable!("plugin sources load the registry"),
     };
+    // The source is ready; compile the other plugins beside replication.
+    if let Some(registry) = &registry {
+        registry.warm_up();
+    }
     let filter_limits = Limits {
         call_deadline: Duration::from_millis(args.filter_deadline_ms),
         memory_bytes: args.filter_memory_mb << 20,

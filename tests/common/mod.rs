@@ -290,7 +290,7 @@ pub struct Harness {
 pub async fn start_mock(spec: &LogSpec, config: serde_json::Value, limits: Limits) -> Harness {
     let dir = spec.sqlite.parent().unwrap().to_path_buf();
     let registry = Registry::load(&plugin_dir(), Some(dir.join("cache"))).await.unwrap();
-    let source = registry.source("mock-source", config.to_string(), limits, NetGrant::default()).unwrap();
+    let source = registry.source("mock-source", config.to_string(), limits, NetGrant::default()).await.unwrap();
     start(spec, Box::new(source), StreamerOptions::default())
 }
 

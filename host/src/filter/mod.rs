@@ -380,7 +380,7 @@ impl FilterHost {
             self.registry.as_ref().ok_or("filters are not available: sluice runs without a plugin directory")?;
         let mut filters = Vec::with_capacity(specs.len());
         for spec in specs {
-            let (engine, pre) = registry.filter(&spec.plugin)?;
+            let (engine, pre) = registry.filter(&spec.plugin).await?;
             let config = spec.config.to_string();
             filters.push(FilterInstance::create(&engine, &pre, &spec.plugin, &config, self.limits).await?);
         }

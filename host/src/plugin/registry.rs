@@ -1,6 +1,13 @@
 //! Loading the plugin directory.
+//!
+//! A running host compiles a plugin when it is first needed (the source at
+//! start, a filter when a subscriber first asks for it) and warms up the
+//! rest in the background, so a host restarting in a crash loop is
+//! replicating again after compiling (or loading from the cache) one plugin,
+//! not the whole directory. `sluice plugins` and tests load everything.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::Context;
 use wasmtime::component::{Component, Linker};
@@ -55,13 +62,22 @@ enum Pre {
 
 pub struct Registry {
     engine: Engine,
-    plugins: Vec<Loaded>,
+    linker: Linker<HostState>,
+    cache: CodeCache,
+    slots: Vec<Slot>,
+}
+
+/// One `*.wasm` file, loaded at most once.
+struct Slot {
+    name: String,
+    file: PathBuf,
+    loaded: tokio::sync::OnceCell<Loaded>,
 }
 
 impl Registry {
-    /// Loads every `*.wasm` in `dir`. A plugin that fails is recorded with its
-    /// error and logged; only an unreadable directory is an error here.
-    pub async fn load(dir: &Path, cache_dir: Option<PathBuf>) -> anyhow::Result<Registry> {
+    /// Finds every `*.wasm` in `dir`; each is compiled when first used. Only
+    /// an unreadable directory is an error here.
+    pub async fn open(dir: &Path, cache_dir: Option<PathBuf>) -> anyhow::Result<Registry> {
         let engine = sandbox::engine()?;
         let mut linker: Linker<HostState> = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -73,41 +89,81 @@ impl Registry {
             .filter(|p| p.extension().is_some_and(|x| x == "wasm"))
             .collect();
         files.sort();
-
-        let mut plugins = Vec::new();
-        for file in files {
-            let name = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-            let mut info =
-                PluginInfo { name, file: file.clone(), kind: None, wit_version: None, error: None, cached: false };
-            let pre = match load_one(&engine, &linker, &cache, &mut info).await {
-                Ok(pre) => Some(pre),
-                Err(e) => {
-                    tracing::error!("plugin {} ({}): {e}", info.name, info.file.display());
-                    info.error = Some(e);
-                    None
-                }
-            };
-            if let Some(kind) = info.kind.filter(|_| info.error.is_none()) {
-                tracing::info!(plugin = %info.name, %kind, cached = info.cached, "loaded plugin");
-            }
-            plugins.push(Loaded { info, pre });
-        }
-        Ok(Registry { engine, plugins })
+        let slots = files
+            .into_iter()
+            .map(|file| Slot {
+                name: file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(),
+                file,
+                loaded: tokio::sync::OnceCell::new(),
+            })
+            .collect();
+        Ok(Registry { engine, linker, cache, slots })
     }
 
+    /// Loads every `*.wasm` in `dir` now. A plugin that fails is recorded
+    /// with its error and logged.
+    pub async fn load(dir: &Path, cache_dir: Option<PathBuf>) -> anyhow::Result<Registry> {
+        let registry = Registry::open(dir, cache_dir).await?;
+        registry.load_all().await;
+        Ok(registry)
+    }
+
+    async fn load_all(&self) {
+        for slot in &self.slots {
+            self.get(slot).await;
+        }
+    }
+
+    /// Compiles the plugins not used yet in the background: load errors are
+    /// reported soon after start, and the code cache is warm for the next one.
+    pub fn warm_up(self: &Arc<Self>) {
+        let this = self.clone();
+        tokio::spawn(async move { this.load_all().await });
+    }
+
+    async fn get<'a>(&'a self, slot: &'a Slot) -> &'a Loaded {
+        slot.loaded
+            .get_or_init(|| async {
+                let mut info = PluginInfo {
+                    name: slot.name.clone(),
+                    file: slot.file.clone(),
+                    kind: None,
+                    wit_version: None,
+                    error: None,
+                    cached: false,
+                };
+                let pre = match load_one(&self.engine, &self.linker, &self.cache, &mut info).await {
+                    Ok(pre) => Some(pre),
+                    Err(e) => {
+                        tracing::error!("plugin {} ({}): {e}", info.name, info.file.display());
+                        info.error = Some(e);
+                        None
+                    }
+                };
+                if let Some(kind) = info.kind.filter(|_| info.error.is_none()) {
+                    tracing::info!(plugin = %info.name, %kind, cached = info.cached, "loaded plugin");
+                }
+                Loaded { info, pre }
+            })
+            .await
+    }
+
+    /// The plugins loaded so far (all of them after [`Registry::load`]).
     pub fn infos(&self) -> impl Iterator<Item = &PluginInfo> {
-        self.plugins.iter().map(|p| &p.info)
+        self.slots.iter().filter_map(|s| s.loaded.get()).map(|p| &p.info)
     }
 
     /// The loaded plugin called `name`, or why there is none usable.
-    fn find(&self, name: &str, kind: PluginKind) -> Result<&Loaded, String> {
-        let Some(p) = self.plugins.iter().find(|p| p.info.name == name) else {
-            let names: Vec<&str> = self
-                .plugins
-                .iter()
-                .filter(|p| p.info.kind == Some(kind) && p.info.error.is_none())
-                .map(|p| p.info.name.as_str())
-                .collect();
+    async fn find(&self, name: &str, kind: PluginKind) -> Result<&Loaded, String> {
+        let slot = self.slots.iter().find(|s| s.name == name);
+        let Some(p) = (match slot {
+            Some(s) => Some(self.get(s).await),
+            None => None,
+        }) else {
+            // Name what is available, which takes knowing every plugin's kind.
+            self.load_all().await;
+            let names: Vec<&str> =
+                self.infos().filter(|i| i.kind == Some(kind) && i.error.is_none()).map(|i| i.name.as_str()).collect();
             return Err(format!(
                 "unknown {kind} {name:?}: the plugin directory has no {name}.wasm ({kind}s available: {})",
                 if names.is_empty() { "none".to_string() } else { names.join(", ") }
@@ -124,8 +180,14 @@ impl Registry {
     }
 
     /// A source backed by the plugin called `name`.
-    pub fn source(&self, name: &str, config: String, limits: Limits, net: NetGrant) -> Result<WasmSource, String> {
-        match &self.find(name, PluginKind::Source)?.pre {
+    pub async fn source(
+        &self,
+        name: &str,
+        config: String,
+        limits: Limits,
+        net: NetGrant,
+    ) -> Result<WasmSource, String> {
+        match &self.find(name, PluginKind::Source).await?.pre {
             Some(Pre::Source(pre)) => {
                 Ok(WasmSource::new(self.engine.clone(), name.to_string(), pre.clone(), config, limits, net))
             }
@@ -134,8 +196,8 @@ impl Registry {
     }
 
     /// The filter plugin called `name`, ready to instantiate.
-    pub fn filter(&self, name: &str) -> Result<(Engine, FilterPluginPre<HostState>), String> {
-        match &self.find(name, PluginKind::Filter)?.pre {
+    pub async fn filter(&self, name: &str) -> Result<(Engine, FilterPluginPre<HostState>), String> {
+        match &self.find(name, PluginKind::Filter).await?.pre {
             Some(Pre::Filter(pre)) => Ok((self.engine.clone(), pre.clone())),
             _ => Err(format!("plugin {name} is not a filter")),
         }

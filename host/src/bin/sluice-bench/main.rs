@@ -287,8 +287,10 @@ async fn catchup(
 ) -> anyhow::Result<()> {
     let txs: u64 = 100_000;
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": 100}).to_string();
-    let source =
-        registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
+    let source = registry
+        .source("mock-source", config, Limits::default(), NetGrant::default())
+        .await
+        .map_err(anyhow::Error::msg)?;
     let status = Arc::new(Status::default());
     let hub = sluice::hub::Hub::new(reader, status.clone());
     let (stop, stop_rx) = watch::channel(false);
@@ -322,8 +324,10 @@ async fn catchup(
 
 async fn boundary(registry: &Registry, row_bytes: usize) -> anyhow::Result<()> {
     let config = serde_json::json!({"rows_per_tx": 100, "row_bytes": row_bytes}).to_string();
-    let mut source =
-        registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
+    let mut source = registry
+        .source("mock-source", config, Limits::default(), NetGrant::default())
+        .await
+        .map_err(anyhow::Error::msg)?;
     let mut stream = source.open(None).await?;
     let mut encoder = Encoder::default();
     let target = 300_000usize;
@@ -367,8 +371,10 @@ async fn store_with(
     durability: Durability,
 ) -> anyhow::Result<()> {
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": rows, "row_bytes": row_bytes}).to_string();
-    let source =
-        registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
+    let source = registry
+        .source("mock-source", config, Limits::default(), NetGrant::default())
+        .await
+        .map_err(anyhow::Error::msg)?;
     let db = tmp.join(format!("store-{rows}-{row_bytes}-{durability:?}.db"));
     let log = SqliteChangeLog::open(&db, durability)?;
     let status = Arc::new(Status::default());
@@ -416,8 +422,10 @@ async fn store_pg(registry: &Registry, tmp: &Path, url: &str, rows: u32, row_byt
     use sluice::storage::postgres::{PostgresChangeLog, PostgresReader};
     let txs: u64 = (if row_bytes > 512 { 100_000 } else { 200_000 } / rows as u64).clamp(2_000, 50_000);
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": rows, "row_bytes": row_bytes}).to_string();
-    let source =
-        registry.source("mock-source", config, Limits::default(), NetGrant::default()).map_err(anyhow::Error::msg)?;
+    let source = registry
+        .source("mock-source", config, Limits::default(), NetGrant::default())
+        .await
+        .map_err(anyhow::Error::msg)?;
     let settings = pg_settings(url, &format!("bench{rows}x{row_bytes}"));
     let rt = tokio::runtime::Handle::current();
     let log = tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?;
