@@ -403,6 +403,31 @@ async fn a_different_replica_version_resets_the_log(backend: Backend) {
 
 // ---- Plugin loading ------------------------------------------------------
 
+/// Regression (found by the chaos driver): a host must not compile the whole
+/// plugin directory before it replicates, or a crash loop never recovers.
+/// Opening the source compiles that plugin alone; the rest warm up later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_source_plugin_compiles_before_replication_starts() {
+    let dir = tmp();
+    let registry = Arc::new(Registry::open(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap());
+    assert_eq!(registry.infos().count(), 0, "nothing compiled by opening the directory");
+    registry.source("mock-source", "{}".into(), Limits::default(), Default::default()).await.unwrap();
+    let loaded: Vec<String> = registry.infos().map(|i| i.name.clone()).collect();
+    assert_eq!(loaded, ["mock-source"]);
+    registry.warm_up();
+    let files = std::fs::read_dir(plugin_dir())
+        .unwrap()
+        .filter(|e| e.as_ref().is_ok_and(|e| e.path().extension().is_some_and(|x| x == "wasm")));
+    let total = files.count();
+    let r = registry.clone();
+    wait_until("every plugin to warm up", WAIT, || {
+        let n = r.infos().count();
+        async move { n == total }
+    })
+    .await;
+    assert!(registry.infos().all(|i| i.error.is_none()), "the bundled plugins all load");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_plugin_files_are_reported_and_the_rest_load() {
     let dir = tmp();
