@@ -67,8 +67,23 @@ struct Host {
 
 impl Host {
     fn new(dir: &std::path::Path, args: Vec<String>) -> Host {
+        Host::named(dir, "sluice", args)
+    }
+
+    fn named(dir: &std::path::Path, name: &str, args: Vec<String>) -> Host {
         let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
-        Host { args, addr, log: dir.join("sluice.log"), child: None, starts: 0 }
+        Host { args, addr, log: dir.join(format!("{name}.log")), child: None, starts: 0 }
+    }
+
+    fn running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Reaps a process that exited by itself; returns its exit status.
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        let status = self.child.as_mut()?.try_wait().ok()??;
+        self.child = None;
+        Some(status)
     }
 
     fn start(&mut self, extra: &[String]) {
@@ -137,17 +152,21 @@ impl Seen {
 /// whenever the connection ends (a killed host, or its own random drop when
 /// `drop_one_in` is set).
 async fn subscriber(
-    addr: String,
+    addrs: Vec<String>,
     replica_version: Arc<Mutex<String>>,
     seen: Arc<Mutex<Seen>>,
     drop_one_in: Option<(u64, u64)>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut rng = Rng(drop_one_in.map(|(s, _)| s).unwrap_or(0));
+    let mut attempt = 0usize;
     loop {
         if *stop.borrow() {
             return;
         }
+        // With two hosts, whichever serves.
+        let addr = &addrs[attempt % addrs.len()];
+        attempt += 1;
         let rv = replica_version.lock().unwrap().clone();
         let after = seen.lock().unwrap().last().map(str::to_string).unwrap_or_else(|| rv.clone());
         let url =
@@ -236,26 +255,38 @@ struct Subscribers {
 
 impl Subscribers {
     fn start(addr: &str, replica_version: Arc<Mutex<String>>, seed: u64) -> Subscribers {
+        Subscribers::start_on(vec![addr.to_string()], replica_version, seed)
+    }
+
+    fn start_on(addrs: Vec<String>, replica_version: Arc<Mutex<String>>, seed: u64) -> Subscribers {
         let (stop, stop_rx) = watch::channel(false);
         let mut seen = Vec::new();
         let mut tasks = Vec::new();
         for drop in [None, Some((seed ^ 0x5eed, 40))] {
             let s = Arc::new(Mutex::new(Seen::default()));
             seen.push(s.clone());
-            tasks.push(tokio::spawn(subscriber(addr.to_string(), replica_version.clone(), s, drop, stop_rx.clone())));
+            tasks.push(tokio::spawn(subscriber(addrs.clone(), replica_version.clone(), s, drop, stop_rx.clone())));
         }
         Subscribers { seen, stop, tasks }
     }
 
     /// Waits until every subscriber's last commit is at least `w`.
     async fn reach(&self, w: &str, host: &Host) {
+        self.reach_any(w, &[host]).await
+    }
+
+    async fn reach_any(&self, w: &str, hosts: &[&Host]) {
         let deadline = Instant::now() + Duration::from_secs(90);
         loop {
             let done = self.seen.iter().all(|s| s.lock().unwrap().last().is_some_and(|l| l >= w));
             if done {
                 return;
             }
-            assert!(Instant::now() < deadline, "subscribers did not reach {w}; host log:\n{}", host.log_tail());
+            assert!(
+                Instant::now() < deadline,
+                "subscribers did not reach {w}; host logs:\n{}",
+                hosts.iter().map(|h| h.log_tail()).collect::<Vec<_>>().join("\n----\n")
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -395,9 +426,24 @@ async fn chaos_mock_source_with_plugin_faults() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_postgres_source_under_writes() {
-    let (run_for, seed) = plan("postgres-source/sqlite");
+    pg_source_chaos("postgres-source/sqlite", pg_url(), None).await;
+}
+
+/// The same on a private server that is also restarted at random, with
+/// `pg_ctl restart -m fast` and `-m immediate` (a crash of the upstream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_postgres_source_with_upstream_restarts() {
+    let server = Arc::new(common::pgserver::PgServer::start(&[
+        "wal_level=logical",
+        "max_wal_senders=5",
+        "max_replication_slots=5",
+    ]));
+    pg_source_chaos("postgres-source+upstream-restarts/sqlite", server.url(), Some(server.clone())).await;
+}
+
+async fn pg_source_chaos(variant: &str, server: String, restarts: Option<Arc<common::pgserver::PgServer>>) {
+    let (run_for, seed) = plan(variant);
     let mut rng = Rng(seed);
-    let server = pg_url();
     let db = format!("chaos_{}", std::process::id());
     let admin = connect_pg(&server).await;
     admin.batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")).await.unwrap();
@@ -439,17 +485,30 @@ async fn chaos_postgres_source_under_writes() {
     // The upstream keeps committing 1-4 rows per transaction throughout.
     let (stop_writer, mut writer_stop) = watch::channel(false);
     let writer_seed = rng.next();
+    let writer_url = url.clone();
     let writer = tokio::spawn(async move {
         let mut rng = Rng(writer_seed);
+        let mut up = up;
         let mut next: i32 = 100;
         loop {
             let n = rng.range(1, 5) as i32;
-            up.execute(
-                "INSERT INTO events SELECT g, (1::int8 << 60) + g FROM generate_series($1::int, $2::int) g",
-                &[&next, &(next + n - 1)],
-            )
-            .await
-            .unwrap();
+            let insert = "INSERT INTO events SELECT g, (1::int8 << 60) + g FROM generate_series($1::int, $2::int) g";
+            if up.execute(insert, &[&next, &(next + n - 1)]).await.is_err() {
+                // The server restarted: the insert may or may not have
+                // committed, so continue after whatever the table holds.
+                up = loop {
+                    match tokio_postgres::connect(&writer_url, tokio_postgres::NoTls).await {
+                        Ok((c, conn)) => {
+                            tokio::spawn(conn);
+                            break c;
+                        }
+                        Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                    }
+                };
+                let row = up.query_one("SELECT coalesce(max(id), -1) + 1 FROM events", &[]).await.unwrap();
+                next = row.get(0);
+                continue;
+            }
             next += n;
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(rng.range(1, 8))) => {}
@@ -457,7 +516,27 @@ async fn chaos_postgres_source_under_writes() {
             }
         }
     });
+    // Upstream restarts, beside the kills.
+    let restarter = restarts.map(|pg| {
+        let mut rng = Rng(rng.next());
+        let deadline = Instant::now() + run_for;
+        tokio::spawn(async move {
+            let mut n = 0u32;
+            while Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(rng.range(1000, 3000))).await;
+                let mode = if rng.range(0, 2) == 0 { "fast" } else { "immediate" };
+                let pg = pg.clone();
+                tokio::task::spawn_blocking(move || pg.restart(mode)).await.unwrap();
+                n += 1;
+            }
+            n
+        })
+    });
     let kills = kill_loop(&mut host, &mut rng, run_for, |_| Vec::new()).await;
+    let upstream_restarts = match restarter {
+        Some(r) => r.await.unwrap(),
+        None => 0,
+    };
     let _ = stop_writer.send(true);
     let rows = writer.await.unwrap();
     // The replica version can change only if the host died before its
@@ -504,8 +583,8 @@ async fn chaos_postgres_source_under_writes() {
         .unwrap();
     admin.batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")).await.unwrap();
     println!(
-        "chaos postgres-source/sqlite: {kills} kills, {} starts, {rows} upstream rows in {} and {} transactions \
-         checked row by row at the two subscribers: none lost or duplicated",
+        "chaos {variant}: {kills} kills, {} starts, {upstream_restarts} upstream restarts, {rows} upstream rows \
+         in {} and {} transactions checked row by row at the two subscribers: none lost or duplicated",
         host.starts, txs[0], txs[1]
     );
 }
@@ -967,5 +1046,93 @@ async fn fuzz_plugin_messages_into_the_loop() {
     println!(
         "fuzz plugin messages: {runs} streams of {messages} messages, {stored_txs} transactions stored and each \
          matched a whole one sent, {stopped} streams stopped on a protocol violation; no panic, no partial transaction"
+    );
+}
+
+/// Two hosts share one Postgres change DB and take it over from each other
+/// at random (starting the idle one makes it the owner; the old owner must
+/// stop by itself, cleanly) while either may also be SIGKILLed. Subscribers
+/// follow whichever host serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_two_hosts_take_over_a_postgres_change_db() {
+    let (run_for, seed) = plan("two-hosts/postgres-change-db");
+    let mut rng = Rng(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let spec = LogSpec::new(Backend::Postgres, dir.path());
+    let pg = spec.pg.clone().unwrap();
+    let config = serde_json::json!({"rows_per_tx": ROWS, "tables": 2, "rate": 500}).to_string();
+    let args = |task: &str| -> Vec<String> {
+        [
+            "--source",
+            "mock-source",
+            "--source-config",
+            &config,
+            "--change-db",
+            &pg.url,
+            "--app-id",
+            &pg.app_id,
+            "--task-id",
+            task,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(["--plugins".to_string(), plugin_dir().display().to_string()])
+        .collect()
+    };
+    let mut hosts = [Host::named(dir.path(), "a", args("a")), Host::named(dir.path(), "b", args("b"))];
+    hosts[0].start(&[]);
+    let addrs = hosts.iter().map(|h| h.addr.clone()).collect();
+    let subs = Subscribers::start_on(addrs, Arc::new(Mutex::new("00".into())), seed);
+    let (mut kills, mut takeovers, mut stepped_down) = (0u32, 0u32, 0u32);
+    let deadline = Instant::now() + run_for;
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(rng.range(100, 900))).await;
+        for h in hosts.iter_mut() {
+            if let Some(status) = h.exited() {
+                assert!(status.success(), "a host that lost ownership exits cleanly: {status}; log:\n{}", h.log_tail());
+                stepped_down += 1;
+            }
+        }
+        let i = rng.range(0, 2) as usize;
+        match rng.range(0, 5) {
+            0 | 1 if hosts[i].running() => {
+                hosts[i].kill();
+                kills += 1;
+            }
+            0..=3 if !hosts[i].running() => {
+                if hosts[1 - i].running() {
+                    takeovers += 1;
+                }
+                hosts[i].start(&[]);
+            }
+            _ => {}
+        }
+        if !hosts.iter().any(Host::running) {
+            hosts[i].start(&[]);
+        }
+    }
+    // Settle: one host, which takes ownership when it starts.
+    for h in hosts.iter_mut() {
+        h.kill();
+    }
+    let last = rng.range(0, 2) as usize;
+    hosts[last].start(&[]);
+    let target = stored_watermark(&hosts[last]).await;
+    subs.reach_any(&target, &[&hosts[0], &hosts[1]]).await;
+    let seen = subs.stop().await;
+    for h in hosts.iter_mut() {
+        h.kill();
+    }
+    let checked: Vec<usize> =
+        seen.iter().enumerate().map(|(i, s)| check_mock(&s.lock().unwrap(), &format!("subscriber {i}"))).collect();
+    spec.assert_whole().await;
+    let stored = spec.committed().await;
+    let first = stored.first().and_then(|w| sluice::watermark::from_lexi(w)).unwrap_or(1) as u64;
+    let expected: Vec<String> = (first..first + stored.len() as u64).map(lexi).collect();
+    assert_eq!(stored, expected, "the change log skips or repeats a transaction");
+    println!(
+        "chaos two-hosts/postgres-change-db: {kills} kills, {takeovers} takeovers ({stepped_down} old owners \
+         stopped by themselves), {} and {} transactions checked by the two subscribers: none lost or duplicated",
+        checked[0], checked[1]
     );
 }
