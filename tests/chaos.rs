@@ -349,6 +349,20 @@ fn check_mock(seen: &Seen, who: &str) -> usize {
     seen.commits.len()
 }
 
+/// Both subscribers saw mock transactions 1..=N exactly once, and the log
+/// holds whole transactions, a consecutive run of them (purged below the
+/// acked floor). Returns the counts checked and the stored watermarks.
+async fn check_mock_run(seen: &[Arc<Mutex<Seen>>], spec: &LogSpec) -> (Vec<usize>, Vec<String>) {
+    let checked =
+        seen.iter().enumerate().map(|(i, s)| check_mock(&s.lock().unwrap(), &format!("subscriber {i}"))).collect();
+    spec.assert_whole().await;
+    let stored = spec.committed().await;
+    let first = stored.first().and_then(|w| sluice::watermark::from_lexi(w)).unwrap_or(1) as u64;
+    let expected: Vec<String> = (first..first + stored.len() as u64).map(lexi).collect();
+    assert_eq!(stored, expected, "the change log skips or repeats a transaction");
+    (checked, stored)
+}
+
 async fn mock_chaos(variant: &str, backend: Backend, faults: bool) {
     let (run_for, seed) = plan(variant);
     let mut rng = Rng(seed);
@@ -387,14 +401,7 @@ async fn mock_chaos(variant: &str, backend: Backend, faults: bool) {
     subs.reach(&target, &host).await;
     let seen = subs.stop().await;
     host.kill();
-    let checked: Vec<usize> =
-        seen.iter().enumerate().map(|(i, s)| check_mock(&s.lock().unwrap(), &format!("subscriber {i}"))).collect();
-    spec.assert_whole().await;
-    // The log holds a consecutive run of transactions (purged below the acked floor).
-    let stored = spec.committed().await;
-    let first = stored.first().and_then(|w| sluice::watermark::from_lexi(w)).unwrap_or(1) as u64;
-    let expected: Vec<String> = (first..first + stored.len() as u64).map(lexi).collect();
-    assert_eq!(stored, expected, "the change log skips or repeats a transaction");
+    let (checked, stored) = check_mock_run(&seen, &spec).await;
     let s = seen.iter().map(|s| s.lock().unwrap()).collect::<Vec<_>>();
     println!(
         "chaos {variant}: {kills} kills, {} starts, {} and {} transactions checked by the two subscribers \
@@ -1123,13 +1130,7 @@ async fn chaos_two_hosts_take_over_a_postgres_change_db() {
     for h in hosts.iter_mut() {
         h.kill();
     }
-    let checked: Vec<usize> =
-        seen.iter().enumerate().map(|(i, s)| check_mock(&s.lock().unwrap(), &format!("subscriber {i}"))).collect();
-    spec.assert_whole().await;
-    let stored = spec.committed().await;
-    let first = stored.first().and_then(|w| sluice::watermark::from_lexi(w)).unwrap_or(1) as u64;
-    let expected: Vec<String> = (first..first + stored.len() as u64).map(lexi).collect();
-    assert_eq!(stored, expected, "the change log skips or repeats a transaction");
+    let (checked, _) = check_mock_run(&seen, &spec).await;
     println!(
         "chaos two-hosts/postgres-change-db: {kills} kills, {takeovers} takeovers ({stepped_down} old owners \
          stopped by themselves), {} and {} transactions checked by the two subscribers: none lost or duplicated",

@@ -23,6 +23,50 @@ fn interop_dir() -> std::path::PathBuf {
     dir
 }
 
+/// Zero's client (`subscribe.mjs`) as a child process, its output lines
+/// forwarded to a channel.
+struct ZeroClient {
+    node: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl ZeroClient {
+    fn spawn(args: &[&str]) -> ZeroClient {
+        let mut node = Command::new("node")
+            .arg(interop_dir().join("subscribe.mjs"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("node is installed");
+        let stdout = node.stdout.take().unwrap();
+        let (lines_tx, lines) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if lines_tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        ZeroClient { node, lines }
+    }
+
+    /// Waits (up to two minutes) for the client's summary line and its exit.
+    fn finish(mut self) -> (serde_json::Value, std::process::ExitStatus) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let summary = loop {
+            let line = self
+                .lines
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .expect("the client finishes");
+            if line.starts_with('{') {
+                break line;
+            }
+        };
+        (serde_json::from_str(&summary).unwrap(), self.node.wait().unwrap())
+    }
+}
+
 fn free_port() -> String {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     l.local_addr().unwrap().to_string()
@@ -68,22 +112,8 @@ fn zeros_client_discovers_sluice_from_the_change_db() {
 fn across_a_restart(change_db: &str, addr: &str, target: &str) {
     let mut sluice = spawn_sluice(change_db, addr);
 
-    let mut node = Command::new("node")
-        .arg(interop_dir().join("subscribe.mjs"))
-        .args([target, "00", "300", "interop"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("node is installed");
-    let (lines_tx, lines) = mpsc::channel::<String>();
-    let stdout = node.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if lines_tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
+    let mut client = ZeroClient::spawn(&[target, "00", "300", "interop"]);
+    let lines = &client.lines;
 
     // Let Zero's client take 100 transactions, then kill Sluice under it.
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -109,7 +139,7 @@ fn across_a_restart(change_db: &str, addr: &str, target: &str) {
             summary = Some(line);
         }
     }
-    let status = node.wait().unwrap();
+    let status = client.node.wait().unwrap();
     sluice.kill().unwrap();
     sluice.wait().unwrap();
     let summary: serde_json::Value = serde_json::from_str(summary.as_deref().unwrap()).unwrap();
@@ -154,22 +184,8 @@ fn zeros_client_follows_the_postgres_source_across_a_kill() {
     let replica_version = wait_for_replica_version(&addr);
 
     // 1 snapshot + 200 transactions; 250 events in all.
-    let mut node = Command::new("node")
-        .arg(interop_dir().join("subscribe.mjs"))
-        .args([&format!("ws://{addr}/"), replica_version.as_str(), "201", "zero", "events", "250"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("node is installed");
-    let stdout = node.stdout.take().unwrap();
-    let (lines_tx, lines) = mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if lines_tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
+    let client =
+        ZeroClient::spawn(&[&format!("ws://{addr}/"), replica_version.as_str(), "201", "zero", "events", "250"]);
     let write = |from: i32, to: i32| {
         for id in from..to {
             psql(&url, &format!("INSERT INTO events VALUES ({id}, (1::int8 << 60) + {id})"));
@@ -182,17 +198,9 @@ fn zeros_client_follows_the_postgres_source_across_a_kill() {
     let mut sluice = spawn();
     write(200, 250);
 
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let summary = loop {
-        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the client finishes");
-        if line.starts_with('{') {
-            break line;
-        }
-    };
-    let status = node.wait().unwrap();
+    let (summary, status) = client.finish();
     sluice.kill().unwrap();
     sluice.wait().unwrap();
-    let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
     assert_eq!(summary["problems"], serde_json::json!([]), "{summary}");
     assert_eq!(summary["commits"], 201, "{summary}");
     assert!(status.success(), "{summary}");
@@ -250,22 +258,9 @@ fn zeros_client_follows_a_custom_upstream_across_a_kill() {
     assert_eq!(replica_version, common::custom_upstream::SNAPSHOT);
 
     // 1 snapshot + 200 transactions; 250 events in all.
-    let mut node = Command::new("node")
-        .arg(interop_dir().join("subscribe.mjs"))
-        .args([&format!("ws://{addr}/"), replica_version.as_str(), "201", "zero", "events", "250"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("node is installed");
-    let stdout = node.stdout.take().unwrap();
-    let (lines_tx, lines) = mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if lines_tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
+    let client =
+        ZeroClient::spawn(&[&format!("ws://{addr}/"), replica_version.as_str(), "201", "zero", "events", "250"]);
+    let lines = &client.lines;
     let write = |from: i64, to: i64| {
         for id in from..to {
             up.append(Tx::new(&format!("1{id:04}"), &[event(id)]));
@@ -281,17 +276,9 @@ fn zeros_client_follows_a_custom_upstream_across_a_kill() {
     let mut sluice = spawn();
     write(200, 250);
 
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let summary = loop {
-        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("the client finishes");
-        if line.starts_with('{') {
-            break line;
-        }
-    };
-    let status = node.wait().unwrap();
+    let (summary, status) = client.finish();
     sluice.kill().unwrap();
     sluice.wait().unwrap();
-    let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
     assert_eq!(summary["problems"], serde_json::json!([]), "{summary}");
     assert_eq!(summary["commits"], 201, "{summary}");
     assert!(status.success(), "{summary}");
