@@ -18,7 +18,6 @@ use common::*;
 use serde_json::{json, Value};
 use sluice::hub::Hub;
 use sluice::plugin::{Limits, NetGrant, Registry};
-use sluice::server::AppState;
 use sluice::status::{SourceState, Status};
 use sluice::streamer::{Streamer, StreamerOptions};
 use tokio::sync::watch;
@@ -54,30 +53,10 @@ impl Sluice {
         let dir = tempfile::tempdir().unwrap();
         let spec = LogSpec::new(Backend::Sqlite, dir.path());
         let (_, reader) = spec.open();
-        let status = Arc::new(Status::default());
-        let hub = Hub::new(reader, status.clone());
-        let (server_stop, stop_rx) = watch::channel(false);
-        let app = AppState {
-            hub: hub.clone(),
-            status: status.clone(),
-            subscriber_limits: sluice::subscriber::Limits::default(),
-            ping_interval: Duration::from_secs(30),
-            filters: sluice::filter::FilterHost::none(),
-        };
-        let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
-        tokio::spawn(serve);
+        let Served { addr, status, hub, stop: server_stop } = serve(reader).await;
         let registry = Arc::new(Registry::load(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap());
-        let mut s = Sluice {
-            dir,
-            addr: addr.to_string(),
-            status,
-            hub,
-            registry,
-            config,
-            grant,
-            streamer: None,
-            _server_stop: server_stop,
-        };
+        let mut s =
+            Sluice { dir, addr, status, hub, registry, config, grant, streamer: None, _server_stop: server_stop };
         s.run().await;
         s
     }

@@ -20,7 +20,6 @@ use common::ws::Client;
 use common::*;
 use serde_json::{json, Value};
 use sluice::hub::Hub;
-use sluice::server::AppState;
 use sluice::source::postgres::PostgresSource;
 use sluice::status::Status;
 use sluice::streamer::{Streamer, StreamerOptions};
@@ -262,28 +261,8 @@ impl Sluice {
         let dir = tempfile::tempdir().unwrap();
         let spec = LogSpec::new(Backend::Sqlite, dir.path());
         let (_, reader) = spec.open();
-        let status = Arc::new(Status::default());
-        let hub = Hub::new(reader, status.clone());
-        let (server_stop, stop_rx) = watch::channel(false);
-        let app = AppState {
-            hub: hub.clone(),
-            status: status.clone(),
-            subscriber_limits: sluice::subscriber::Limits::default(),
-            ping_interval: Duration::from_secs(30),
-            filters: sluice::filter::FilterHost::none(),
-        };
-        let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
-        tokio::spawn(serve);
-        let mut s = Sluice {
-            dir,
-            addr: addr.to_string(),
-            status,
-            hub,
-            config,
-            auto_reset,
-            streamer: None,
-            _server_stop: server_stop,
-        };
+        let Served { addr, status, hub, stop: server_stop } = serve(reader).await;
+        let mut s = Sluice { dir, addr, status, hub, config, auto_reset, streamer: None, _server_stop: server_stop };
         s.run();
         s
     }

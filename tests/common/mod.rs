@@ -320,6 +320,31 @@ impl Harness {
     }
 }
 
+/// The subscriber endpoint (no filters, default limits) on a free port.
+pub struct Served {
+    pub addr: String,
+    pub status: Arc<Status>,
+    pub hub: Arc<sluice::hub::Hub>,
+    /// Dropping it stops the server.
+    pub stop: watch::Sender<bool>,
+}
+
+pub async fn serve(reader: Arc<dyn LogReader>) -> Served {
+    let status = Arc::new(Status::default());
+    let hub = sluice::hub::Hub::new(reader, status.clone());
+    let (stop, stop_rx) = watch::channel(false);
+    let app = sluice::server::AppState {
+        hub: hub.clone(),
+        status: status.clone(),
+        subscriber_limits: sluice::subscriber::Limits::default(),
+        ping_interval: Duration::from_secs(30),
+        filters: sluice::filter::FilterHost::none(),
+    };
+    let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
+    tokio::spawn(serve);
+    Served { addr: addr.to_string(), status, hub, stop }
+}
+
 /// Sends the host's logs to the test output (shown for failing tests).
 pub fn init_logs() {
     let _ = tracing_subscriber::fmt().with_test_writer().with_env_filter("sluice=debug").try_init();
