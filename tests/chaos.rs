@@ -24,6 +24,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::pgserver::PgServer;
 use common::*;
 use futures::{SinkExt, StreamExt};
 use tokio::sync::watch;
@@ -363,11 +364,17 @@ async fn check_mock_run(seen: &[Arc<Mutex<Seen>>], spec: &LogSpec) -> (Vec<usize
     (checked, stored)
 }
 
-async fn mock_chaos(variant: &str, backend: Backend, faults: bool) {
+/// The mock source under the kill schedule; `faults` adds a plugin fault at
+/// every restart; `change_db_server` puts the Postgres change DB on a
+/// private server that is also restarted at random.
+async fn mock_chaos(variant: &str, backend: Backend, faults: bool, change_db_server: Option<Arc<PgServer>>) {
     let (run_for, seed) = plan(variant);
     let mut rng = Rng(seed);
     let dir = tempfile::tempdir().unwrap();
-    let spec = LogSpec::new(backend, dir.path());
+    let mut spec = LogSpec::new(backend, dir.path());
+    if let (Some(pg), Some(server)) = (spec.pg.as_mut(), &change_db_server) {
+        pg.url = server.url();
+    }
     let change_db = match &spec.pg {
         None => vec!["--change-db".to_string(), format!("sqlite:{}", spec.sqlite.display())],
         Some(pg) => vec!["--change-db".into(), pg.url.clone(), "--app-id".into(), pg.app_id.clone()],
@@ -396,7 +403,13 @@ async fn mock_chaos(variant: &str, backend: Backend, faults: bool) {
     host.start(&first);
     let rv = Arc::new(Mutex::new("00".to_string()));
     let subs = Subscribers::start(&host.addr, rv, seed);
+    // (The server lives until the end of the run, beyond the restarter.)
+    let restarter = change_db_server.clone().map(|pg| restart_at_random(pg, rng.next(), run_for));
     let kills = kill_loop(&mut host, &mut rng, run_for, config).await;
+    let server_restarts = match restarter {
+        Some(r) => r.await.unwrap(),
+        None => 0,
+    };
     let target = stored_watermark(&host).await;
     subs.reach(&target, &host).await;
     let seen = subs.stop().await;
@@ -404,8 +417,9 @@ async fn mock_chaos(variant: &str, backend: Backend, faults: bool) {
     let (checked, stored) = check_mock_run(&seen, &spec).await;
     let s = seen.iter().map(|s| s.lock().unwrap()).collect::<Vec<_>>();
     println!(
-        "chaos {variant}: {kills} kills, {} starts, {} and {} transactions checked by the two subscribers \
-         ({} and {} connections, {} self-inflicted drops), log holds {} whole transactions: none lost or duplicated",
+        "chaos {variant}: {kills} kills, {} starts, {server_restarts} change-DB server restarts, {} and {} \
+         transactions checked by the two subscribers ({} and {} connections, {} self-inflicted drops), log holds \
+         {} whole transactions: none lost or duplicated",
         host.starts,
         checked[0],
         checked[1],
@@ -418,17 +432,24 @@ async fn mock_chaos(variant: &str, backend: Backend, faults: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_mock_source_sqlite() {
-    mock_chaos("mock-source/sqlite", Backend::Sqlite, false).await;
+    mock_chaos("mock-source/sqlite", Backend::Sqlite, false, None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_mock_source_postgres_change_db() {
-    mock_chaos("mock-source/postgres-change-db", Backend::Postgres, false).await;
+    mock_chaos("mock-source/postgres-change-db", Backend::Postgres, false, None).await;
+}
+
+/// The change DB's own server restarted (fast and immediate) beside the kills.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_mock_source_postgres_change_db_with_server_restarts() {
+    let server = Arc::new(PgServer::start(&[]));
+    mock_chaos("mock-source/postgres-change-db+server-restarts", Backend::Postgres, false, Some(server)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_mock_source_with_plugin_faults() {
-    mock_chaos("mock-source+faults/sqlite", Backend::Sqlite, true).await;
+    mock_chaos("mock-source+faults/sqlite", Backend::Sqlite, true, None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -440,15 +461,29 @@ async fn chaos_postgres_source_under_writes() {
 /// `pg_ctl restart -m fast` and `-m immediate` (a crash of the upstream).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_postgres_source_with_upstream_restarts() {
-    let server = Arc::new(common::pgserver::PgServer::start(&[
-        "wal_level=logical",
-        "max_wal_senders=5",
-        "max_replication_slots=5",
-    ]));
+    let server = Arc::new(PgServer::start(&["wal_level=logical", "max_wal_senders=5", "max_replication_slots=5"]));
     pg_source_chaos("postgres-source+upstream-restarts/sqlite", server.url(), Some(server.clone())).await;
 }
 
-async fn pg_source_chaos(variant: &str, server: String, restarts: Option<Arc<common::pgserver::PgServer>>) {
+/// Restarts a Postgres server every 1-3 s for `run_for`, with `pg_ctl
+/// restart -m fast` or `-m immediate` (a crash); returns the restart count.
+fn restart_at_random(pg: Arc<PgServer>, seed: u64, run_for: Duration) -> tokio::task::JoinHandle<u32> {
+    let mut rng = Rng(seed);
+    let deadline = Instant::now() + run_for;
+    tokio::spawn(async move {
+        let mut n = 0u32;
+        while Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(rng.range(1000, 3000))).await;
+            let mode = if rng.range(0, 2) == 0 { "fast" } else { "immediate" };
+            let pg = pg.clone();
+            tokio::task::spawn_blocking(move || pg.restart(mode)).await.unwrap();
+            n += 1;
+        }
+        n
+    })
+}
+
+async fn pg_source_chaos(variant: &str, server: String, restarts: Option<Arc<PgServer>>) {
     let (run_for, seed) = plan(variant);
     let mut rng = Rng(seed);
     let db = format!("chaos_{}", std::process::id());
@@ -524,21 +559,7 @@ async fn pg_source_chaos(variant: &str, server: String, restarts: Option<Arc<com
         }
     });
     // Upstream restarts, beside the kills.
-    let restarter = restarts.map(|pg| {
-        let mut rng = Rng(rng.next());
-        let deadline = Instant::now() + run_for;
-        tokio::spawn(async move {
-            let mut n = 0u32;
-            while Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(rng.range(1000, 3000))).await;
-                let mode = if rng.range(0, 2) == 0 { "fast" } else { "immediate" };
-                let pg = pg.clone();
-                tokio::task::spawn_blocking(move || pg.restart(mode)).await.unwrap();
-                n += 1;
-            }
-            n
-        })
-    });
+    let restarter = restarts.map(|pg| restart_at_random(pg, rng.next(), run_for));
     let kills = kill_loop(&mut host, &mut rng, run_for, |_| Vec::new()).await;
     let upstream_restarts = match restarter {
         Some(r) => r.await.unwrap(),
@@ -1136,4 +1157,34 @@ async fn chaos_two_hosts_take_over_a_postgres_change_db() {
          stopped by themselves), {} and {} transactions checked by the two subscribers: none lost or duplicated",
         checked[0], checked[1]
     );
+}
+
+/// Regression (found by the change-DB restart variant): a host started while
+/// its Postgres change DB is down or still starting up exited; it must wait
+/// for the database, saying so, and then replicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_started_before_its_change_db_waits_for_it() {
+    let port = common::pgserver::free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+    let args: Vec<String> = ["--source", "mock-source", "--change-db", &url, "--app-id", "waits", "--plugins"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([plugin_dir().display().to_string()])
+        .collect();
+    let mut host = Host::new(dir.path(), args);
+    host.start(&["--source-config".into(), r#"{"transactions": 20}"#.into()]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(&host.log).unwrap_or_default().contains("change DB not reachable") {
+        assert!(Instant::now() < deadline, "no retry line; log:\n{}", host.log_tail());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(host.exited().is_none(), "the host waits instead of exiting; log:\n{}", host.log_tail());
+    let _server = PgServer::start_on(port, &[]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while host.status().and_then(|s| s["lastWatermark"].as_str().map(str::to_string)) != Some(lexi(20)) {
+        assert!(Instant::now() < deadline, "the host did not replicate once the DB came up; log:\n{}", host.log_tail());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    host.kill();
 }

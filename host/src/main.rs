@@ -278,7 +278,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     synchronous_commit: durability == Durability::Full,
                 };
                 let rt = tokio::runtime::Handle::current();
-                let log = tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?;
+                let log = tokio::task::block_in_place(|| {
+                    PostgresChangeLog::open_when_reachable(settings.clone(), rt.clone(), Duration::from_secs(600))
+                })?;
                 let schema = settings.schema();
                 (Box::new(log), Arc::new(PostgresReader::new(settings, rt)), format!("Postgres schema {schema}"))
             }

@@ -13,7 +13,7 @@ pub struct PgServer {
     options: String,
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
@@ -32,6 +32,11 @@ fn as_server_user(program: &Path) -> Command {
 impl PgServer {
     /// initdb and start, with extra `-c name=value` settings.
     pub fn start(settings: &[&str]) -> PgServer {
+        PgServer::start_on(free_port(), settings)
+    }
+
+    /// [`PgServer::start`] on a given port.
+    pub fn start_on(port: u16, settings: &[&str]) -> PgServer {
         let bindir = PathBuf::from(std::env::var("SLUICE_TEST_PG_BINDIR").expect(
             "SLUICE_TEST_PG_BINDIR is unset: run the tests through `make test` (tests/pg/with-postgres.sh sets it)",
         ));
@@ -48,7 +53,7 @@ impl PgServer {
         for s in settings {
             options.push_str(&format!(" -c {s}"));
         }
-        let server = PgServer { dir, bindir, port: free_port(), options };
+        let server = PgServer { dir, bindir, port, options };
         server.ctl(&["start", "-w", "-t", "60"]);
         server
     }

@@ -114,6 +114,26 @@ pub struct PostgresChangeLog {
 
 impl PostgresChangeLog {
     /// Connects and creates the schema if it does not exist.
+    /// [`PostgresChangeLog::open`], waiting out a change DB that cannot be
+    /// reached yet or is restarting (a host restarted beside its database
+    /// must come up, not exit): one line per attempt, with back-off.
+    /// Configuration errors (authentication, a missing database) fail at once.
+    pub fn open_when_reachable(settings: PgSettings, rt: Handle, give_up_after: Duration) -> anyhow::Result<Self> {
+        let started = std::time::Instant::now();
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match PostgresChangeLog::open(settings.clone(), rt.clone()) {
+                Ok(log) => return Ok(log),
+                Err(e) if is_unreachable(&e) && started.elapsed() < give_up_after => {
+                    tracing::warn!("change DB not reachable ({e:#}); retrying in {} ms", delay.as_millis());
+                    std::thread::sleep(delay);
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     pub fn open(settings: PgSettings, rt: Handle) -> anyhow::Result<Self> {
         let schema = settings.schema();
         let mut log = PostgresChangeLog { settings, schema, rt, client: None, insert: None, owner_at_begin: None };
@@ -616,5 +636,21 @@ impl LogReader for PostgresReader {
                 .map_err(|e| classify(e, "reading the retention window"))?;
             Ok(Some(row.map(|r| r.get::<_, String>(0)).unwrap_or_default()))
         })
+    }
+}
+
+/// A connection that failed for want of a server (refused, reset, the server
+/// starting up or shutting down, too many connections), as opposed to one the
+/// server refused for its configuration (authentication, a missing database).
+fn is_unreachable(e: &anyhow::Error) -> bool {
+    let Some(pg) = e.chain().find_map(|c| c.downcast_ref::<tokio_postgres::Error>()) else {
+        return false;
+    };
+    match pg.as_db_error() {
+        None => true, // I/O: refused, reset, closed
+        Some(db) => {
+            let code = db.code().code();
+            code.starts_with("57") || code.starts_with("08") || code.starts_with("53")
+        }
     }
 }
