@@ -523,6 +523,15 @@ async fn pg_source_chaos(variant: &str, server: String, restarts: Option<Arc<PgS
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let subs = Subscribers::start(&host.addr, rv.clone(), seed);
+    // A witness slot on the same publication, created before the writes:
+    // afterwards it lists every streamed transaction's commit LSN.
+    let witness = format!("witness_{}", std::process::id());
+    let publication = format!("_sluice_public_{slot}");
+    connect_pg(&url)
+        .await
+        .execute("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", &[&witness])
+        .await
+        .unwrap();
 
     // The upstream keeps committing 1-4 rows per transaction throughout.
     let (stop_writer, mut writer_stop) = watch::channel(false);
@@ -560,7 +569,35 @@ async fn pg_source_chaos(variant: &str, server: String, restarts: Option<Arc<PgS
     });
     // Upstream restarts, beside the kills.
     let restarter = restarts.map(|pg| restart_at_random(pg, rng.next(), run_for));
-    let kills = kill_loop(&mut host, &mut rng, run_for, |_| Vec::new()).await;
+    // At every kill (the host down, its log still): the slot's confirmed
+    // position, every commit the log has ever held, and the lowest it still
+    // holds (what was purged below it had been durable).
+    type Sample = (u64, std::collections::BTreeSet<String>, String);
+    let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();
+    let durable: Arc<Mutex<std::collections::BTreeSet<String>>> = Arc::default();
+    let sample = {
+        let (samples, durable, url, slot, db) =
+            (samples.clone(), durable.clone(), url.clone(), slot.clone(), spec.sqlite.clone());
+        move |_: &mut Rng| {
+            if let Some(confirmed) =
+                tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(confirmed_flush(&url, &slot)))
+            {
+                let mut d = durable.lock().unwrap();
+                let mut held: Vec<String> = Vec::new();
+                if let Ok(conn) = rusqlite::Connection::open(&db) {
+                    let sql = r#"SELECT DISTINCT watermark FROM "changeLog" WHERE tag = 'commit' AND pos > 1"#;
+                    if let Ok(mut q) = conn.prepare(sql) {
+                        held = q.query_map([], |r| r.get::<_, String>(0)).unwrap().filter_map(Result::ok).collect();
+                    }
+                }
+                let low = held.iter().min().cloned().unwrap_or_default();
+                d.extend(held);
+                samples.lock().unwrap().push((confirmed, d.clone(), low));
+            }
+            Vec::new()
+        }
+    };
+    let kills = kill_loop(&mut host, &mut rng, run_for, sample).await;
     let upstream_restarts = match restarter {
         Some(r) => r.await.unwrap(),
         None => 0,
@@ -604,17 +641,68 @@ async fn pg_source_chaos(variant: &str, server: String, restarts: Option<Arc<PgS
         txs.push(s.commits.len());
     }
     spec.assert_whole().await;
-    let admin = connect_pg(&server).await;
-    admin
-        .execute("SELECT pg_drop_replication_slot($1) FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
+
+    // Upstream acks never ran ahead of the log: at each kill, every
+    // transaction that committed before the slot's confirmed position was
+    // durable in the change log.
+    let up = connect_pg(&url).await;
+    let changes = up
+        .query(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, NULL, 'proto_version', '1', \
+             'publication_names', $2)",
+            &[&witness, &publication],
+        )
         .await
         .unwrap();
+    let commits: Vec<u64> = changes
+        .iter()
+        .filter_map(|r| match sluice::source::postgres::pgoutput::decode(r.get::<_, &[u8]>(0), false) {
+            Ok((sluice::source::postgres::pgoutput::PgOutput::Commit { commit_lsn, .. }, _)) => Some(commit_lsn),
+            _ => None,
+        })
+        .collect();
+    assert!(commits.len() + 1 >= txs[0].min(txs[1]), "the witness saw the workload");
+    let samples = samples.lock().unwrap();
+    for (confirmed, durable, low) in samples.iter() {
+        for lsn in commits.iter().filter(|l| **l < *confirmed) {
+            let w = sluice::source::postgres::stream::watermark(*lsn);
+            assert!(
+                durable.contains(&w) || w < *low,
+                "the slot confirmed {confirmed:x} past commit {lsn:x}, which was not durable (log from {low})"
+            );
+        }
+    }
+    let admin = connect_pg(&server).await;
+    for s in [&slot, &witness] {
+        admin
+            .execute("SELECT pg_drop_replication_slot($1) FROM pg_replication_slots WHERE slot_name = $1", &[s])
+            .await
+            .unwrap();
+    }
     admin.batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")).await.unwrap();
     println!(
         "chaos {variant}: {kills} kills, {} starts, {upstream_restarts} upstream restarts, {rows} upstream rows \
-         in {} and {} transactions checked row by row at the two subscribers: none lost or duplicated",
-        host.starts, txs[0], txs[1]
+         in {} and {} transactions checked row by row at the two subscribers: none lost or duplicated; \
+         the slot's confirmed position checked at {} kills against {} upstream commits: never ahead of the log",
+        host.starts,
+        txs[0],
+        txs[1],
+        samples.len(),
+        commits.len()
     );
+}
+
+/// A slot's `confirmed_flush_lsn` as a number (`None` while the server is down).
+async fn confirmed_flush(url: &str, slot: &str) -> Option<u64> {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.ok()?;
+    tokio::spawn(conn);
+    let row = client
+        .query_one("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
+        .await
+        .ok()?;
+    let text: Option<String> = row.get(0);
+    let (hi, lo) = text?.split_once('/').map(|(h, l)| (h.to_string(), l.to_string()))?;
+    Some((u64::from_str_radix(&hi, 16).ok()? << 32) | u64::from_str_radix(&lo, 16).ok()?)
 }
 
 async fn connect_pg(url: &str) -> tokio_postgres::Client {
