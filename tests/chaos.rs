@@ -662,7 +662,7 @@ async fn pg_source_chaos(variant: &str, server: String, restarts: Option<Arc<PgS
         })
         .collect();
     assert!(commits.len() + 1 >= txs[0].min(txs[1]), "the witness saw the workload");
-    let samples = samples.lock().unwrap();
+    let samples = std::mem::take(&mut *samples.lock().unwrap());
     for (confirmed, durable, low) in samples.iter() {
         for lsn in commits.iter().filter(|l| **l < *confirmed) {
             let w = sluice::source::postgres::stream::watermark(*lsn);
