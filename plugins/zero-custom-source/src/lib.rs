@@ -21,6 +21,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
+use tungstenite::http::Uri;
 
 wit_bindgen::generate!({ path: "../../wit", world: "source-plugin" });
 
@@ -85,45 +86,54 @@ impl Config {
     }
 
     /// The endpoint URL with zero-cache's query parameters.
-    fn stream_url(&self, resume: Option<(&str, &str)>) -> Result<url::Url, PluginError> {
+    fn stream_url(&self, resume: Option<(&str, &str)>) -> Result<Endpoint, PluginError> {
         let invalid =
             |m: String| PluginError::InvalidConfig(format!("zero-custom-source config: url {:?}: {m}", self.url));
-        let mut url = url::Url::parse(&self.url).map_err(|e| invalid(e.to_string()))?;
-        match url.scheme() {
-            "ws" => {}
-            "http" => url.set_scheme("ws").map_err(|_| invalid("cannot use it as ws://".into()))?,
-            "wss" | "https" => {
+        let uri: Uri = self.url.parse().map_err(|e: tungstenite::http::uri::InvalidUri| invalid(e.to_string()))?;
+        match uri.scheme_str() {
+            Some("ws" | "http") => {}
+            Some("wss" | "https") => {
                 return Err(invalid("TLS (wss://, https://) is not supported by this plugin yet".into()))
             }
-            other => return Err(invalid(format!("scheme {other}: is not ws:// or http://"))),
+            Some(other) => return Err(invalid(format!("scheme {other}: is not ws:// or http://"))),
+            None => return Err(invalid("no scheme (ws:// or http://)".into())),
         }
-        if url.host_str().is_none() {
-            return Err(invalid("no host".into()));
-        }
-        let path = url.path().trim_end_matches('/').to_string();
+        let authority = uri.authority().filter(|a| !a.host().is_empty()).ok_or_else(|| invalid("no host".into()))?;
+        let mut path = uri.path().trim_end_matches('/').to_string();
         if !path.ends_with(&format!("/{STREAM_PATH}")) {
-            url.set_path(&format!("{path}/{STREAM_PATH}"));
+            path = format!("{path}/{STREAM_PATH}");
         }
         // Keep the operator's own parameters; ours replace any of the same name.
         const OURS: [&str; 5] = ["appID", "shardNum", "publications", "lastWatermark", "replicaVersion"];
-        let kept: Vec<(String, String)> =
-            url.query_pairs().filter(|(k, _)| !OURS.contains(&k.as_ref())).map(|(k, v)| (k.into(), v.into())).collect();
-        {
-            let mut q = url.query_pairs_mut();
-            q.clear();
-            q.extend_pairs(kept);
-            q.append_pair("appID", &self.app_id);
-            q.append_pair("shardNum", &self.shard_num.to_string());
-            for p in &self.publications {
-                q.append_pair("publications", p);
-            }
-            if let Some((last, rv)) = resume {
-                q.append_pair("lastWatermark", last);
-                q.append_pair("replicaVersion", rv);
+        let mut q = form_urlencoded::Serializer::new(String::new());
+        for (k, v) in form_urlencoded::parse(uri.query().unwrap_or_default().as_bytes()) {
+            if !OURS.contains(&k.as_ref()) {
+                q.append_pair(&k, &v);
             }
         }
-        Ok(url)
+        q.append_pair("appID", &self.app_id);
+        q.append_pair("shardNum", &self.shard_num.to_string());
+        for p in &self.publications {
+            q.append_pair("publications", p);
+        }
+        if let Some((last, rv)) = resume {
+            q.append_pair("lastWatermark", last);
+            q.append_pair("replicaVersion", rv);
+        }
+        Ok(Endpoint {
+            url: format!("ws://{}{path}?{}", authority.as_str(), q.finish()),
+            // `[::1]` -> `::1` for the socket address.
+            host: authority.host().trim_start_matches('[').trim_end_matches(']').to_string(),
+            port: authority.port_u16().unwrap_or(80),
+        })
     }
+}
+
+/// Where to connect and what to ask for.
+pub struct Endpoint {
+    pub url: String,
+    pub host: String,
+    pub port: u16,
 }
 
 struct Component;

@@ -34,9 +34,8 @@ pub enum Frame {
 
 impl Socket {
     /// Connects and completes the WebSocket handshake within `timeout`.
-    pub fn connect(url: &url::Url, timeout: Duration, ping_every: Duration) -> Result<Socket, String> {
-        let host = url.host_str().ok_or("the url has no host")?;
-        let port = url.port_or_known_default().ok_or("the url has no port")?;
+    pub fn connect(endpoint: &crate::Endpoint, timeout: Duration, ping_every: Duration) -> Result<Socket, String> {
+        let (host, port) = (endpoint.host.as_str(), endpoint.port);
         let addrs: Vec<_> = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
             .map_err(|e| format!("cannot resolve {host}:{port}: {e}"))?
             .collect();
@@ -57,7 +56,7 @@ impl Socket {
         stream.set_write_timeout(Some(timeout)).map_err(|e| format!("setting a write timeout: {e}"))?;
         let config = WebSocketConfig::default();
         let (ws, _response) =
-            tungstenite::client::client_with_config(url.as_str(), stream, Some(config)).map_err(|e| match e {
+            tungstenite::client::client_with_config(endpoint.url.as_str(), stream, Some(config)).map_err(|e| match e {
                 tungstenite::HandshakeError::Interrupted(_) => {
                     format!("the WebSocket handshake did not complete within {} ms", timeout.as_millis())
                 }
