@@ -55,8 +55,8 @@ impl Socket {
         stream.set_read_timeout(Some(timeout)).map_err(|e| format!("setting a read timeout: {e}"))?;
         stream.set_write_timeout(Some(timeout)).map_err(|e| format!("setting a write timeout: {e}"))?;
         let config = WebSocketConfig::default();
-        let (ws, _response) =
-            tungstenite::client::client_with_config(endpoint.url.as_str(), stream, Some(config)).map_err(|e| match e {
+        let (ws, _response) = tungstenite::client::client_with_config(endpoint.url.as_str(), stream, Some(config))
+            .map_err(|e| match e {
                 tungstenite::HandshakeError::Interrupted(_) => {
                     format!("the WebSocket handshake did not complete within {} ms", timeout.as_millis())
                 }
