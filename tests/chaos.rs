@@ -151,7 +151,8 @@ impl Seen {
 
 /// A subscriber over a real WebSocket that reconnects from its last commit
 /// whenever the connection ends (a killed host, or its own random drop when
-/// `drop_one_in` is set).
+/// `drop_one_in` is set: the socket is dropped without a close handshake,
+/// as when a subscriber process is killed).
 async fn subscriber(
     addrs: Vec<String>,
     replica_version: Arc<Mutex<String>>,
@@ -180,6 +181,7 @@ async fn subscriber(
         };
         seen.lock().unwrap().connections += 1;
         let mut open: Option<(String, Vec<i64>)> = None;
+        let mut killed = false;
         loop {
             let frame = tokio::select! {
                 f = ws.next() => f,
@@ -226,6 +228,7 @@ async fn subscriber(
                     if let Some((_, n)) = drop_one_in {
                         if rng.range(0, n) == 0 {
                             s.drops += 1;
+                            killed = true;
                             break;
                         }
                     }
@@ -242,7 +245,9 @@ async fn subscriber(
                 _ => {}
             }
         }
-        let _ = ws.close(None).await;
+        if !killed {
+            let _ = ws.close(None).await;
+        }
     }
 }
 
