@@ -124,7 +124,19 @@ async fn a_takeover_waits_for_an_open_transaction() {
     feed.push(insert(2));
     let c = spec.pg_client().await;
     let s = spec.schema();
-    // Wait until the storer holds the row lock for the open transaction.
+    let locked = wait_for_row_lock(&c, &s).await;
+    feed.push(commit("05"));
+    stored(&h, "05").await;
+    c.batch_execute("BEGIN").await.unwrap();
+    let owner: String = c.query_one(&locked, &[]).await.unwrap().get(0);
+    c.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(owner, "task-id");
+    h.stop().await.unwrap();
+}
+
+/// Waits until a storage transaction holds the `replicationState` row lock;
+/// returns the query that probes it.
+async fn wait_for_row_lock(c: &tokio_postgres::Client, s: &str) -> String {
     let locked = format!(r#"SELECT "owner" FROM {s}."replicationState" FOR UPDATE NOWAIT"#);
     let mut err = None;
     for _ in 0..500 {
@@ -142,13 +154,61 @@ async fn a_takeover_waits_for_an_open_transaction() {
         err.as_db_error().unwrap().message().contains("could not obtain lock on row in relation \"replicationState\""),
         "{err}"
     );
+    locked
+}
+
+/// Regression (found by the two-host chaos test): a new owner must read where
+/// to resume only after it holds ownership. Otherwise the old owner commits in
+/// between, the new owner resumes from before that commit, and a live
+/// subscriber misses what the old owner stored last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_resumes_after_the_old_owners_last_commit() {
+    let (_dir, spec, feed, old_owner) = fed_harness();
+    feed.tx("03", &[1]);
+    stored(&old_owner, "03").await;
+    feed.push(begin("05"));
+    feed.push(insert(2));
+    let c = spec.pg_client().await;
+    let s = spec.schema();
+    wait_for_row_lock(&c, &s).await;
+
+    let next = Feed::default();
+    let new_options = StreamerOptions { task_id: "task-b".into(), advertise: "b:1".into(), ..options() };
+    let new_owner = start(&spec.as_task("task-b"), Box::new(next.clone()), new_options);
+    // The takeover queues behind the old owner's open storage transaction.
+    wait_until("the takeover waits for the row lock", WAIT, || {
+        let c = &c;
+        async move {
+            let waiting: i64 = c
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%SET \"owner\"%'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            waiting > 0
+        }
+    })
+    .await;
+    assert!(next.opens.lock().unwrap().is_empty(), "the source is opened only after ownership is held");
+
     feed.push(commit("05"));
-    stored(&h, "05").await;
-    c.batch_execute("BEGIN").await.unwrap();
-    let owner: String = c.query_one(&locked, &[]).await.unwrap().get(0);
-    c.batch_execute("ROLLBACK").await.unwrap();
-    assert_eq!(owner, "task-id");
-    h.stop().await.unwrap();
+    wait_until("the new owner opens its source", WAIT, || {
+        let opened = !next.opens.lock().unwrap().is_empty();
+        async move { opened }
+    })
+    .await;
+    assert_eq!(*next.opens.lock().unwrap(), [Some("05".to_string())], "resumes after the old owner's last commit");
+    assert_eq!(spec.committed().await, ["03", "05"]);
+    // The old owner notices at its next storage transaction and stops cleanly.
+    feed.tx("07", &[3]);
+    let result = tokio::time::timeout(WAIT, old_owner.task).await.expect("the old owner stops").unwrap();
+    assert!(result.is_ok(), "{result:?}");
+    next.tx("09", &[4]);
+    stored(&new_owner, "09").await;
+    assert_eq!(spec.committed().await, ["03", "05", "09"]);
+    new_owner.stop().await.unwrap();
 }
 
 async fn stops_cleanly_when(drop_sql: &str) {

@@ -1178,11 +1178,10 @@ async fn fuzz_plugin_messages_into_the_loop() {
 /// Two hosts share one Postgres change DB and take it over from each other
 /// at random (starting the idle one makes it the owner; the old owner must
 /// stop by itself, cleanly) while either may also be SIGKILLed. Subscribers
-/// follow whichever host serves.
-// Ignored in `make test`: it finds a real takeover race (the new owner reads
-// the resume watermark before taking ownership, so the old owner's last
-// commits can be skipped by a live subscriber). Run it with `--ignored`.
-#[ignore = "finds an open takeover race; see the comment above"]
+/// follow whichever host serves. This found the takeover race fixed in
+/// `Streamer::open` (the resume watermark was read before ownership was taken,
+/// so the old owner's last commits could be skipped by a live subscriber);
+/// `a_takeover_resumes_after_the_old_owners_last_commit` pins it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_two_hosts_take_over_a_postgres_change_db() {
     let (run_for, seed) = plan("two-hosts/postgres-change-db");

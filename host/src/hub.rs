@@ -34,7 +34,8 @@ enum StorerSlot {
     Idle,
     /// Catch-ups queue behind the storer's work.
     Running(CatchupQueue),
-    /// A storer is draining; catch-ups wait until it is done.
+    /// A storer has stopped or is draining; new subscribers wait, outside the
+    /// forwarder, until the log is final.
     Stopping(Vec<(Arc<Subscriber>, String)>),
 }
 
@@ -79,16 +80,29 @@ impl Hub {
     }
 
     pub fn storer_stopping(&self) {
-        self.lock().storer = StorerSlot::Stopping(Vec::new());
+        let mut inner = self.lock();
+        if !matches!(inner.storer, StorerSlot::Stopping(_)) {
+            inner.storer = StorerSlot::Stopping(Vec::new());
+        }
     }
 
-    /// The storer is gone and the log is final: serve waiting catch-ups.
+    /// The storer is gone and the log is final (no pass is running, so
+    /// nothing is forwarded): waiting subscribers join and catch up.
     pub fn storer_stopped(&self) {
         let waiting = match std::mem::replace(&mut self.lock().storer, StorerSlot::Idle) {
             StorerSlot::Stopping(waiting) => waiting,
             _ => Vec::new(),
         };
         for (sub, rv) in waiting {
+            if sub.is_closed() {
+                continue;
+            }
+            let count = {
+                let mut inner = self.lock();
+                inner.forwarder.add(sub.clone());
+                inner.forwarder.len()
+            };
+            self.status.update(|s| s.subscribers = count);
             self.start_direct_catchup(sub, rv);
         }
     }
@@ -129,16 +143,25 @@ impl Hub {
             )));
             return;
         }
-        inner.forwarder.add(sub.clone());
-        let count = inner.forwarder.len();
         let direct = match &mut inner.storer {
-            StorerSlot::Running(q) => !q.push(sub.clone(), rv.clone()),
+            // The storer serves the catch-up after everything already queued,
+            // which is everything forwarded before this subscriber joins.
+            StorerSlot::Running(q) if q.push(sub.clone(), rv.clone()) => false,
+            // The storer failed while the loop may still be forwarding what it
+            // will never store: a snapshot now plus live changes would leave a
+            // gap. Wait until the pass ends.
+            StorerSlot::Running(_) => {
+                inner.storer = StorerSlot::Stopping(vec![(sub, rv)]);
+                return;
+            }
             StorerSlot::Stopping(waiting) => {
-                waiting.push((sub.clone(), rv.clone()));
-                false
+                waiting.push((sub, rv));
+                return;
             }
             StorerSlot::Idle => true,
         };
+        inner.forwarder.add(sub.clone());
+        let count = inner.forwarder.len();
         drop(inner);
         self.status.update(|s| s.subscribers = count);
         if direct {

@@ -116,7 +116,7 @@ impl Storer {
         durable: mpsc::UnboundedSender<Arc<str>>,
         status: Arc<Status>,
     ) -> Storer {
-        let (commands, rx) = mpsc::unbounded_channel();
+        let (commands, mut rx) = mpsc::unbounded_channel();
         let budget = Arc::new(Budget {
             queued: AtomicUsize::new(0),
             processed: Default::default(),
@@ -128,7 +128,17 @@ impl Storer {
         let worker_exited = exited.clone();
         let thread = tokio::task::spawn_blocking(move || {
             let mut worker = Worker::new(log, reader, options, durable, status, worker_budget);
-            let result = worker.run(rx);
+            let result = worker.run(&mut rx);
+            // Catch-ups this storer will never serve: their subscribers are
+            // already forwarded to, so they must reconnect rather than wait.
+            // Closing the queue first makes the hub hold later subscribers
+            // until the pass ends (see `Hub::subscribe`).
+            rx.close();
+            while let Ok(cmd) = rx.try_recv() {
+                if let Command::Catchup(sub, rv) = cmd {
+                    worker.catchups.push((sub, rv));
+                }
+            }
             for (sub, _) in worker.catchups.drain(..) {
                 sub.close(None);
             }
@@ -283,7 +293,7 @@ impl Worker {
         }
     }
 
-    fn run(&mut self, mut rx: mpsc::UnboundedReceiver<Command>) -> anyhow::Result<()> {
+    fn run(&mut self, rx: &mut mpsc::UnboundedReceiver<Command>) -> anyhow::Result<()> {
         loop {
             // Between upstream transactions, commit as soon as nothing else is
             // waiting: that is what keeps a quiet stream's latency low.

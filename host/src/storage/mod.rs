@@ -45,6 +45,8 @@ pub struct LogState {
     pub replica_version: String,
     pub last_watermark: String,
     pub reset_required: bool,
+    /// The task that owns the log (None after a reset, before a claim).
+    pub owner: Option<String>,
 }
 
 /// Earliest and latest watermarks a subscriber can catch up between.

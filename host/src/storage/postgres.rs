@@ -234,13 +234,18 @@ impl ChangeLog for PostgresChangeLog {
             let replica_version: String = config.get(0);
             let reset_required: Option<bool> = config.get(1);
             let last = c
-                .query_opt(&format!(r#"SELECT "lastWatermark" FROM {s}."replicationState""#), &[])
+                .query_opt(&format!(r#"SELECT "lastWatermark", "owner" FROM {s}."replicationState""#), &[])
                 .await
                 .map_err(|e| classify(e, "reading replicationState"))?;
+            let (last_watermark, owner) = match last {
+                Some(r) => (r.get(0), r.get(1)),
+                None => (replica_version.clone(), None),
+            };
             Ok(Some(LogState {
-                last_watermark: last.map(|r| r.get(0)).unwrap_or_else(|| replica_version.clone()),
+                last_watermark,
                 replica_version,
                 reset_required: reset_required.unwrap_or(false),
+                owner,
             }))
         })
     }

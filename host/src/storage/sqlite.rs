@@ -96,12 +96,12 @@ impl ChangeLog for SqliteChangeLog {
         let Some((replica_version, reset_required)) = config else {
             return Ok(None);
         };
-        let last_watermark: String = self
+        let state: Option<(String, Option<String>)> = self
             .conn
-            .query_row(r#"SELECT lastWatermark FROM "replicationState""#, [], |r| r.get(0))
-            .optional()?
-            .unwrap_or_else(|| replica_version.clone());
-        Ok(Some(LogState { replica_version, last_watermark, reset_required }))
+            .query_row(r#"SELECT lastWatermark, owner FROM "replicationState""#, [], |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()?;
+        let (last_watermark, owner) = state.unwrap_or_else(|| (replica_version.clone(), None));
+        Ok(Some(LogState { replica_version, last_watermark, reset_required, owner }))
     }
 
     fn reset(&mut self, replica_version: &str) -> anyhow::Result<()> {
@@ -340,7 +340,12 @@ mod tests {
         log.reset("00").unwrap();
         assert_eq!(
             log.state().unwrap(),
-            Some(LogState { replica_version: "00".into(), last_watermark: "00".into(), reset_required: false })
+            Some(LogState {
+                replica_version: "00".into(),
+                last_watermark: "00".into(),
+                reset_required: false,
+                owner: None
+            })
         );
         log.begin().unwrap();
         let rows: Vec<_> = (0..600).map(|p| row("01", p, "insert")).collect();

@@ -104,6 +104,8 @@ pub struct Streamer {
     acker: UpstreamAcker,
     /// The next open ignores the log's position (the lineage was reset).
     open_fresh: bool,
+    /// This host has taken ownership of the log (once per process).
+    claimed: bool,
 }
 
 impl Streamer {
@@ -115,7 +117,16 @@ impl Streamer {
         status: Arc<Status>,
     ) -> Self {
         status.update(|s| s.source_name = source.name().to_string());
-        Streamer { source, hub, log: Some(log), options, status, acker: UpstreamAcker::default(), open_fresh: false }
+        Streamer {
+            source,
+            hub,
+            log: Some(log),
+            options,
+            status,
+            acker: UpstreamAcker::default(),
+            open_fresh: false,
+            claimed: false,
+        }
     }
 
     /// Runs until shutdown (Ok) or a fatal error (Err, with the reason).
@@ -177,6 +188,14 @@ impl Streamer {
         }
     }
 
+    /// Makes this host the log's owner (again after a reset, which clears it).
+    fn claim(&mut self) -> Result<(), PassEnd> {
+        let (task, addr) = (self.options.task_id.clone(), self.options.advertise.clone());
+        self.with_log(|log| log.assume_ownership(&task, &addr))?;
+        self.claimed = true;
+        Ok(())
+    }
+
     /// Runs blocking change-log work without stalling the runtime's other tasks.
     fn with_log<R>(&mut self, f: impl FnOnce(&mut dyn ChangeLog) -> anyhow::Result<R>) -> Result<R, PassEnd> {
         let log = self.log.as_mut().expect("the change log is home between passes");
@@ -186,7 +205,21 @@ impl Streamer {
     /// Opens the source and settles the lineage. Returns the stream and the
     /// watermark it continues after.
     async fn open(&mut self) -> Result<(Box<dyn ChangeStream>, String), PassEnd> {
+        let task = self.options.task_id.clone();
+        if !self.claimed {
+            // Take ownership before reading where to resume: in a shared change
+            // DB the takeover waits for the old owner's open storage
+            // transaction, and each later one sees ownership lost. Reading
+            // first would let the old owner commit past the watermark this
+            // host resumes from.
+            self.claim()?;
+        }
         let state = self.with_log(|log| log.state())?;
+        if let Some(owner) = state.as_ref().and_then(|s| s.owner.as_deref()).filter(|o| *o != task) {
+            // Later passes never take the log back: the new owner may be
+            // writing, and subscribers here may have caught up from its rows.
+            return Err(PassEnd::Stop(format!("changeLog ownership has been assumed by {owner}")));
+        }
         let reset_requested = state.as_ref().is_some_and(|s| s.reset_required) && self.options.auto_reset;
         let resume = match &state {
             Some(s) if !self.open_fresh && !reset_requested => Some(s.last_watermark.clone()),
@@ -204,6 +237,7 @@ impl Streamer {
             None => {
                 tracing::info!(replica_version = %rv, "initializing the change log");
                 self.with_log(|log| log.reset(&rv))?;
+                self.claim()?;
             }
             Some(s) if s.replica_version != rv || reset_requested => {
                 if reset_requested {
@@ -215,6 +249,7 @@ impl Streamer {
                     );
                 }
                 self.with_log(|log| log.reset(&rv))?;
+                self.claim()?;
                 if resume.is_some() {
                     // The stream was positioned in the old lineage; start over.
                     self.open_fresh = true;
@@ -231,8 +266,6 @@ impl Streamer {
         }
         self.open_fresh = false;
         self.hub.set_replica_version(&rv);
-        let (task, addr) = (self.options.task_id.clone(), self.options.advertise.clone());
-        self.with_log(|log| log.assume_ownership(&task, &addr))?;
         let bounds = self.with_log(|log| log.bounds())?;
         let after = resume.unwrap_or_else(|| rv.clone());
         tracing::info!(
