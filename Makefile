@@ -1,6 +1,6 @@
 # Sluice: build, demo, test, bench.
 CARGO ?= cargo
-PLUGINS := mock-source zero-custom-source table-filter row-filter redact bad-filter
+PLUGINS := mock-source zero-custom-source mariadb-source table-filter row-filter redact bad-filter
 GUESTS := $(addprefix --exclude ,$(PLUGINS))
 PLUGIN_DIR := target/plugins
 
@@ -37,11 +37,13 @@ interop-deps:
 		npm install --prefix tests/interop --ignore-scripts --no-audit --no-fund --loglevel=error
 
 # The README's test command: the whole suite, with a private PostgreSQL
-# server for the Postgres change-DB tests (set SLUICE_TEST_PG_URL to use
-# your own server instead).
+# server for the Postgres tests and a private MariaDB server for the
+# mariadb-source tests (set SLUICE_TEST_PG_URL or SLUICE_TEST_MARIADB to use
+# your own servers instead). The plugins' own unit tests run natively.
 test: plugins interop-deps
 	$(CARGO) build --tests
-	tests/pg/with-postgres.sh $(CARGO) test --workspace $(GUESTS) -- --test-threads=2
+	$(CARGO) test -p mariadb-source --lib
+	tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh $(CARGO) test --workspace $(GUESTS) -- --test-threads=2
 
 # The crash-safety suite for longer: each chaos variant kills and restarts
 # Sluice for SLUICE_CHAOS_SECONDS (default 120), then the fuzzers run for
@@ -49,7 +51,7 @@ test: plugins interop-deps
 chaos: plugins
 	$(CARGO) build --tests
 	SLUICE_CHAOS_SECONDS=$${SLUICE_CHAOS_SECONDS:-120} SLUICE_FUZZ_SECONDS=$${SLUICE_FUZZ_SECONDS:-60} \
-		tests/pg/with-postgres.sh $(CARGO) test --test chaos -- --nocapture --test-threads=1
+		tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh $(CARGO) test --test chaos -- --nocapture --test-threads=1
 
 bench: plugins
 	$(CARGO) build --release --bin sluice --bin sluice-bench

@@ -11,11 +11,12 @@
 #[macro_use]
 mod common;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::pgserver::PgServer;
+use common::replica::{key_of, Replica};
 use common::ws::Client;
 use common::*;
 use serde_json::{json, Value};
@@ -95,147 +96,6 @@ impl Upstream {
                 (key_of(&v, &["id".to_string()]), v)
             })
             .collect()
-    }
-}
-
-fn key_of(row: &Value, columns: &[String]) -> String {
-    let key: serde_json::Map<String, Value> =
-        columns.iter().map(|c| (c.clone(), row.get(c).cloned().unwrap_or(Value::Null))).collect();
-    Value::Object(key).to_string()
-}
-
-/// What a subscriber built from the stream: tables of rows, the commits in
-/// order, and the raw text of every data change.
-#[derive(Default, Clone)]
-struct Replica {
-    tables: HashMap<String, BTreeMap<String, Value>>,
-    commits: Vec<String>,
-    rollbacks: usize,
-    pending: Vec<Value>,
-    raw: Vec<String>,
-    schema_changes: Vec<String>,
-    in_tx: bool,
-    problems: Vec<String>,
-}
-
-fn table_of(v: &Value) -> String {
-    format!("{}.{}", v["schema"].as_str().unwrap_or(""), v["name"].as_str().unwrap_or(""))
-}
-
-impl Replica {
-    fn apply(&mut self, text: &str) {
-        let msg: Value = serde_json::from_str(text).unwrap();
-        match msg[0].as_str().unwrap() {
-            "begin" => {
-                if self.in_tx {
-                    self.problems.push("begin inside a transaction".into());
-                }
-                self.in_tx = true;
-            }
-            "data" => {
-                self.raw.push(text.to_string());
-                self.pending.push(msg[1].clone());
-            }
-            "rollback" => {
-                self.in_tx = false;
-                self.rollbacks += 1;
-                self.pending.clear();
-            }
-            "commit" => {
-                self.in_tx = false;
-                let w = msg[2]["watermark"].as_str().unwrap().to_string();
-                if self.commits.last().is_some_and(|last| *last >= w) {
-                    self.problems.push(format!("commit {w} after {:?}", self.commits.last()));
-                }
-                self.commits.push(w);
-                for change in std::mem::take(&mut self.pending) {
-                    self.change(&change);
-                }
-            }
-            _ => {}
-        }
-    }
-
-    fn change(&mut self, c: &Value) {
-        let tag = c["tag"].as_str().unwrap();
-        let keys = |c: &Value| -> Vec<String> {
-            c["relation"]["rowKey"]["columns"]
-                .as_array()
-                .map(|a| a.iter().map(|s| s.as_str().unwrap().to_string()).collect())
-                .unwrap_or_default()
-        };
-        match tag {
-            "insert" => {
-                let t = table_of(&c["relation"]);
-                let key = key_of(&c["new"], &keys(c));
-                self.tables.entry(t).or_default().insert(key, c["new"].clone());
-            }
-            "update" => {
-                let t = self.tables.entry(table_of(&c["relation"])).or_default();
-                let cols = keys(c);
-                let new_key = key_of(&c["new"], &cols);
-                let old_key = if c["key"].is_null() { new_key.clone() } else { key_of(&c["key"], &cols) };
-                let mut row = t.remove(&old_key).unwrap_or_else(|| json!({}));
-                for (k, v) in c["new"].as_object().unwrap() {
-                    row[k] = v.clone();
-                }
-                t.insert(new_key, row);
-            }
-            "delete" => {
-                let t = self.tables.entry(table_of(&c["relation"])).or_default();
-                t.remove(&key_of(&c["key"], &keys(c)));
-            }
-            "truncate" => {
-                for r in c["relations"].as_array().unwrap() {
-                    self.tables.remove(&table_of(r));
-                }
-            }
-            other => {
-                self.schema_changes.push(other.to_string());
-                match other {
-                    "drop-table" => {
-                        self.tables.remove(&table_of(&c["id"]));
-                    }
-                    "rename-table" => {
-                        if let Some(rows) = self.tables.remove(&table_of(&c["old"])) {
-                            self.tables.insert(table_of(&c["new"]), rows);
-                        }
-                    }
-                    "update-column" => {
-                        let (from, to) = (c["old"]["name"].as_str().unwrap(), c["new"]["name"].as_str().unwrap());
-                        for row in self.tables.entry(table_of(&c["table"])).or_default().values_mut() {
-                            let row = row.as_object_mut().unwrap();
-                            if let Some(v) = row.remove(from) {
-                                row.insert(to.to_string(), v);
-                            }
-                        }
-                    }
-                    "add-column" => {
-                        // Existing rows take the default; the tests only use
-                        // text literals ('x'::text).
-                        let name = c["column"]["name"].as_str().unwrap();
-                        let dflt = c["column"]["spec"]["dflt"]
-                            .as_str()
-                            .and_then(|d| d.strip_prefix('\'')?.split_once("'::").map(|(v, _)| json!(v)))
-                            .unwrap_or(Value::Null);
-                        for row in self.tables.entry(table_of(&c["table"])).or_default().values_mut() {
-                            row.as_object_mut().unwrap().entry(name).or_insert(dflt.clone());
-                        }
-                    }
-                    "drop-column" => {
-                        let col = c["column"].as_str().unwrap();
-                        for row in self.tables.entry(table_of(&c["table"])).or_default().values_mut() {
-                            row.as_object_mut().unwrap().remove(col);
-                        }
-                    }
-                    _ => {}
-                }
-            }
-        }
-    }
-
-    fn rows(&self, table: &str) -> BTreeMap<String, Value> {
-        self.tables.get(table).cloned().unwrap_or_default()
     }
 }
 
@@ -336,42 +196,7 @@ impl Sluice {
 
 /// Waits until the replica's copy of each table equals the upstream's.
 async fn converge(up: &Upstream, replica: &Arc<Mutex<Replica>>, tables: &[&str]) {
-    let r = replica.clone();
-    wait_until("the initial snapshot", WAIT, || {
-        let snapshot_in = !r.lock().unwrap().commits.is_empty();
-        async move { snapshot_in }
-    })
-    .await;
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        let mut same = true;
-        for t in tables {
-            let expected = up.rows(t).await;
-            let got = replica.lock().unwrap().rows(t);
-            if expected != got {
-                same = false;
-                if std::time::Instant::now() > deadline {
-                    let diff: Vec<_> = expected
-                        .iter()
-                        .filter(|(k, v)| got.get(*k) != Some(v))
-                        .map(|(k, v)| format!("{k}: upstream {v} replica {:?}", got.get(k)))
-                        .take(5)
-                        .collect();
-                    panic!(
-                        "{t} never converged: upstream {} rows, replica {} rows; first differences: {diff:#?}",
-                        expected.len(),
-                        got.len()
-                    );
-                }
-            }
-        }
-        if same {
-            let r = replica.lock().unwrap();
-            assert!(r.problems.is_empty(), "{:?}", r.problems);
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::replica::converge(replica, tables, WAIT, |t| async move { up.rows(&t).await }).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

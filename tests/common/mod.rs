@@ -3,7 +3,9 @@
 
 pub mod custom_upstream;
 pub mod feed;
+pub mod mariadb;
 pub mod pgserver;
+pub mod replica;
 pub mod ws;
 
 use std::future::Future;

@@ -1,0 +1,265 @@
+//! The mariadb-source plugin against a real MariaDB server: the initial
+//! snapshot, every kind of row change, multi-statement and rolled-back
+//! transactions, each value type (the same from the snapshot and from the
+//! binlog), DDL in the middle of the stream, restarts of Sluice and of the
+//! server, a cut binlog connection, a purged binlog, and set-up errors.
+//!
+//! A subscriber over a real WebSocket applies what it receives to an
+//! in-memory replica, which is compared row by row with the MariaDB tables
+//! (read with MariaDB's own client).
+
+#[macro_use]
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::mariadb::{self, Maria};
+use common::replica::Replica;
+use common::ws::Client;
+use common::*;
+use serde_json::{json, Value};
+use sluice::hub::Hub;
+use sluice::plugin::{Limits, Registry};
+use sluice::status::Status;
+use sluice::streamer::{Streamer, StreamerOptions};
+use tokio::sync::watch;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Sluice with the mariadb-source plugin, a SQLite change log and a
+/// WebSocket endpoint; restartable over the same log.
+struct Sluice {
+    dir: tempfile::TempDir,
+    addr: String,
+    status: Arc<Status>,
+    hub: Arc<Hub>,
+    registry: Arc<Registry>,
+    config: String,
+    streamer: Option<(watch::Sender<bool>, tokio::task::JoinHandle<anyhow::Result<()>>)>,
+    _server_stop: watch::Sender<bool>,
+}
+
+impl Sluice {
+    async fn start(config: Value) -> Sluice {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, reader) = LogSpec::new(Backend::Sqlite, dir.path()).open();
+        let Served { addr, status, hub, stop } = serve(reader).await;
+        let registry = Arc::new(Registry::load(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap());
+        let config = config.to_string();
+        let mut s = Sluice { dir, addr, status, hub, registry, config, streamer: None, _server_stop: stop };
+        s.run().await;
+        s
+    }
+
+    fn spec(&self) -> LogSpec {
+        LogSpec::new(Backend::Sqlite, self.dir.path())
+    }
+
+    async fn run(&mut self) {
+        let (log, _) = self.spec().open();
+        let endpoints = sluice::plugin::net::config_endpoints(&self.config).unwrap();
+        let grant = sluice::plugin::net::resolve(&endpoints).unwrap();
+        let source =
+            self.registry.source("mariadb-source", self.config.clone(), Limits::default(), grant).await.unwrap();
+        let streamer =
+            Streamer::new(Box::new(source), log, self.hub.clone(), StreamerOptions::default(), self.status.clone());
+        let (stop, stop_rx) = watch::channel(false);
+        self.streamer = Some((stop, tokio::spawn(streamer.run(stop_rx))));
+    }
+
+    async fn stop(&mut self) {
+        let (stop, task) = self.streamer.take().expect("running");
+        let _ = stop.send(true);
+        task.await.unwrap().unwrap();
+    }
+
+    async fn restart(&mut self) {
+        self.stop().await;
+        self.run().await;
+    }
+
+    async fn replica_version(&self) -> String {
+        let st = self.status.clone();
+        wait_until("a replica version", WAIT, || {
+            let rv = st.snapshot().replica_version;
+            async move { rv.is_some() }
+        })
+        .await;
+        self.status.snapshot().replica_version.unwrap()
+    }
+
+    /// A subscriber from the replica version, applying to a [`Replica`].
+    async fn subscribe(&self) -> Arc<Mutex<Replica>> {
+        let rv = self.replica_version().await;
+        let replica = Arc::new(Mutex::new(Replica::default()));
+        let mut client = Client::subscribe_at(&self.addr, &rv, &rv).await;
+        let r = replica.clone();
+        tokio::spawn(async move {
+            while let Some(m) = client.next().await {
+                r.lock().unwrap().apply(&m);
+            }
+        });
+        replica
+    }
+
+    /// Waits until the upstream required a reset; returns the reason.
+    async fn wait_for_reset(&self) -> String {
+        let st = self.status.clone();
+        wait_until("reset required", WAIT, || {
+            let s = st.snapshot();
+            async move { s.reset_required }
+        })
+        .await;
+        self.status.snapshot().reset_reason.unwrap_or_default()
+    }
+}
+
+/// Waits until the replica holds exactly the rows of each `db.table` (the
+/// columns named).
+async fn converge(m: &Maria, replica: &Arc<Mutex<Replica>>, tables: &[(&str, &[&str])]) {
+    let names: Vec<&str> = tables.iter().map(|(t, _)| *t).collect();
+    common::replica::converge(replica, &names, WAIT, |t| {
+        let cols = tables.iter().find(|(n, _)| *n == t).map(|(_, c)| *c).unwrap_or(&[]);
+        let rows = m.rows(&t, cols);
+        async move { rows }
+    })
+    .await
+}
+
+fn inserts_into(r: &Replica, table: &str) -> usize {
+    r.raw.iter().filter(|m| m.contains("\"tag\":\"insert\"") && m.contains(&format!("\"name\":\"{table}\""))).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_then_every_kind_of_row_change() {
+    init_logs();
+    let m = mariadb::shared();
+    m.database("msrc_rows");
+    m.database("msrc_rows_other");
+    m.sql(
+        "CREATE TABLE msrc_rows.items (id int PRIMARY KEY, name varchar(50), n bigint);
+         CREATE TABLE msrc_rows.kv (k varchar(10) PRIMARY KEY, v int);
+         CREATE TABLE msrc_rows_other.ignored (id int PRIMARY KEY);
+         INSERT INTO msrc_rows.items VALUES (1, 'one', 10), (2, 'two', 20), (3, 'three', 30);
+         INSERT INTO msrc_rows.kv VALUES ('a', 1)",
+    );
+    let sluice = Sluice::start(m.config(&["msrc_rows"])).await;
+    let replica = sluice.subscribe().await;
+    let items: (&str, &[&str]) = ("msrc_rows.items", &["id", "name", "n"]);
+    let kv: (&str, &[&str]) = ("msrc_rows.kv", &["k", "v"]);
+    converge(&m, &replica, &[items, kv]).await;
+    assert_eq!(replica.lock().unwrap().commits.len(), 1, "the snapshot is one transaction");
+
+    // Eight upstream transactions that touch captured tables, one rolled
+    // back, one in another database.
+    m.sql(
+        "INSERT INTO msrc_rows.items VALUES (4, 'four', 40);
+         UPDATE msrc_rows.items SET name = 'uno' WHERE id = 1;
+         UPDATE msrc_rows.items SET id = 102 WHERE id = 2;
+         DELETE FROM msrc_rows.items WHERE id = 3;
+         UPDATE msrc_rows.kv SET k = 'b', v = 2 WHERE k = 'a';
+         BEGIN; INSERT INTO msrc_rows.items VALUES (5, 'five', 50), (6, 'six', 60);
+                UPDATE msrc_rows.items SET n = n + 1; DELETE FROM msrc_rows.items WHERE id = 4;
+                INSERT INTO msrc_rows.kv VALUES ('c', 3); COMMIT;
+         BEGIN; INSERT INTO msrc_rows.items VALUES (999, 'never', 0); ROLLBACK;
+         INSERT INTO msrc_rows_other.ignored VALUES (1);
+         UPDATE msrc_rows.items SET name = NULL WHERE id = 5;
+         INSERT INTO msrc_rows.items SELECT id + 1000, name, n FROM msrc_rows.items",
+    );
+    converge(&m, &replica, &[items, kv]).await;
+    let r = replica.lock().unwrap().clone();
+    // The snapshot, then one commit per upstream transaction on a captured table.
+    assert_eq!(r.commits.len(), 1 + 8, "{:?}", r.commits);
+    assert_eq!(r.rollbacks, 0);
+    assert!(!r.raw.iter().any(|m| m.contains("999") || m.contains("ignored")), "rolled back or not captured");
+    // The key change carries the old key; a plain update carries none.
+    assert!(r.raw.iter().any(|m| m.contains("\"key\":{\"id\":2}") && m.contains("\"id\":102")));
+    assert!(r.raw.iter().any(|m| m.contains("\"key\":null") && m.contains("\"name\":\"uno\"")));
+    assert!(r.raw.iter().any(|m| m.contains("\"tag\":\"delete\"") && m.contains("\"key\":{\"id\":3}")));
+    // Watermarks: LexiVersions of the GTID sequence, with the position after.
+    for w in &r.commits {
+        let (lexi, gtid) = w.split_once('.').unwrap();
+        let seq = sluice::watermark::from_lexi(lexi).unwrap();
+        assert!(gtid.ends_with(&format!("-{seq}")), "{w}: the counter is the GTID sequence");
+    }
+    sluice.spec().assert_whole().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_of_every_type_are_the_same_from_the_snapshot_and_the_binlog() {
+    init_logs();
+    let m = mariadb::shared();
+    m.database("msrc_types");
+    let columns = "id int PRIMARY KEY, i8 tinyint, u8 tinyint unsigned, i16 smallint, u16 smallint unsigned, \
+         i24 mediumint, u24 mediumint unsigned, i32 int, u32 int unsigned, i64 bigint, u64 bigint unsigned, \
+         dec1 decimal(10,2), dec2 decimal(30,10), f float, d double, dt date, dtm datetime, dtm3 datetime(3), \
+         ts timestamp(6) NULL, tm time, tm2 time(2), yr year, c char(5), vc varchar(300), bin binary(4), \
+         vb varbinary(10), tx text, bl blob, lt longtext, e enum('red','green','blue'), s set('a','b','c'), \
+         j json, bt bit(12), nul int";
+    let values = "-128, 255, -32768, 65535, -8388608, 16777215, -2147483648, 4294967295, \
+         -9223372036854775808, 18446744073709551615, -12345678.90, 12345678901234567890.0123456789, \
+         0.1, 2.718281828459045, '2024-02-29', '1999-12-31 23:59:59', '2024-01-02 03:04:05.678', \
+         '2024-05-06 07:08:09.123456', '-838:59:59', '12:34:56.78', 2024, 'ab', REPEAT('x', 300), \
+         x'0102', x'00ff', 'héllo wörld ✓', x'deadbeef', 'long text', 'green', 'a,c', '{\"k\": [1, 2]}', \
+         b'101010101010', NULL";
+    m.sql(&format!("CREATE TABLE msrc_types.t ({columns}); INSERT INTO msrc_types.t VALUES (1, {values})"));
+    let sluice = Sluice::start(m.config(&["msrc_types"])).await;
+    let replica = sluice.subscribe().await;
+    m.sql(&format!(
+        "INSERT INTO msrc_types.t VALUES (2, {values}); INSERT INTO msrc_types.t (id, nul) VALUES (3, 7); \
+         INSERT INTO msrc_types.t (id, i64, u64, dec1) VALUES (4, 9007199254740993, 9223372036854775808, 0)"
+    ));
+    let r = replica.clone();
+    wait_until("the rows from the binlog", WAIT, || {
+        let n = r.lock().unwrap().rows("msrc_types.t").len();
+        async move { n == 4 }
+    })
+    .await;
+    let r = replica.lock().unwrap().clone();
+    let rows = r.rows("msrc_types.t");
+    let row = |id: i64| -> Value {
+        let mut v = rows.values().find(|v| v["id"] == id).unwrap().clone();
+        v.as_object_mut().unwrap().remove("id");
+        v
+    };
+    // The snapshot's row 1 and the binlog's row 2 hold the same values.
+    assert_eq!(row(1), row(2));
+    let from_binlog = r.raw.iter().find(|m| m.contains("\"tag\":\"insert\"") && m.contains("\"id\":2")).unwrap();
+    let from_snapshot = r.raw.iter().find(|m| m.contains("\"tag\":\"insert\"") && m.contains("\"id\":1,")).unwrap();
+    for expected in [
+        "\"i8\":-128",
+        "\"u8\":255",
+        "\"u24\":16777215",
+        "\"i64\":-9223372036854775808",
+        "\"u64\":18446744073709551615",
+        "\"dec1\":-12345678.90",
+        "\"dec2\":12345678901234567890.0123456789",
+        "\"f\":0.1",
+        "\"d\":2.718281828459045",
+        "\"dt\":\"2024-02-29\"",
+        "\"dtm\":\"1999-12-31 23:59:59\"",
+        "\"dtm3\":\"2024-01-02 03:04:05.678\"",
+        "\"ts\":\"2024-05-06 07:08:09.123456+00\"",
+        "\"tm\":\"-838:59:59\"",
+        "\"tm2\":\"12:34:56.78\"",
+        "\"yr\":2024",
+        "\"c\":\"ab\"",
+        "\"bin\":\"\\\\x01020000\"",
+        "\"vb\":\"\\\\x00ff\"",
+        "\"tx\":\"héllo wörld ✓\"",
+        "\"bl\":\"\\\\xdeadbeef\"",
+        "\"e\":\"green\"",
+        "\"s\":\"a,c\"",
+        "\"j\":\"{\\\"k\\\": [1, 2]}\"",
+        "\"bt\":2730",
+        "\"nul\":null",
+    ] {
+        assert!(from_binlog.contains(expected), "binlog row lacks {expected}: {from_binlog}");
+        assert!(from_snapshot.contains(expected), "snapshot row lacks {expected}: {from_snapshot}");
+    }
+    // Integers beyond 2^53 stay exact.
+    let big = r.raw.iter().find(|m| m.contains("\"id\":4")).unwrap();
+    assert!(big.contains("\"i64\":9007199254740993") && big.contains("\"u64\":9223372036854775808"), "{big}");
+    assert!(big.contains("\"dec1\":0.00"), "{big}");
+}
