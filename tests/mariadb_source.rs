@@ -263,3 +263,183 @@ async fn values_of_every_type_are_the_same_from_the_snapshot_and_the_binlog() {
     assert!(big.contains("\"i64\":9007199254740993") && big.contains("\"u64\":9223372036854775808"), "{big}");
     assert!(big.contains("\"dec1\":0.00"), "{big}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ddl_in_the_middle_of_the_stream_becomes_schema_changes() {
+    init_logs();
+    let m = mariadb::shared();
+    m.database("msrc_ddl");
+    m.sql("CREATE TABLE msrc_ddl.t (id int PRIMARY KEY, a varchar(10)); INSERT INTO msrc_ddl.t VALUES (1, 'x')");
+    let sluice = Sluice::start(m.config(&["msrc_ddl"])).await;
+    let replica = sluice.subscribe().await;
+    converge(&m, &replica, &[("msrc_ddl.t", &["id", "a"])]).await;
+    m.sql(
+        "ALTER TABLE msrc_ddl.t ADD COLUMN b int AFTER id;
+         INSERT INTO msrc_ddl.t VALUES (2, 20, 'y');
+         ALTER TABLE msrc_ddl.t RENAME COLUMN a TO a2;
+         UPDATE msrc_ddl.t SET a2 = 'z' WHERE id = 1;
+         CREATE TABLE msrc_ddl.u (id bigint unsigned PRIMARY KEY, label varchar(20) NOT NULL DEFAULT 'none');
+         INSERT INTO msrc_ddl.u VALUES (1, 'first');
+         RENAME TABLE msrc_ddl.u TO msrc_ddl.v;
+         INSERT INTO msrc_ddl.v VALUES (2, 'second');
+         ALTER TABLE msrc_ddl.t DROP COLUMN b, ADD INDEX (a2);
+         INSERT INTO msrc_ddl.t VALUES (3, 'w');
+         CREATE TABLE msrc_ddl.gone (id int PRIMARY KEY); INSERT INTO msrc_ddl.gone VALUES (1); DROP TABLE msrc_ddl.gone;
+         CREATE TABLE msrc_ddl.trunc (id int PRIMARY KEY); INSERT INTO msrc_ddl.trunc VALUES (1), (2);
+         TRUNCATE TABLE msrc_ddl.trunc; INSERT INTO msrc_ddl.trunc VALUES (3);
+         CREATE DATABASE IF NOT EXISTS msrc_ddl_other; CREATE TABLE IF NOT EXISTS msrc_ddl_other.x (id int PRIMARY KEY)",
+    );
+    converge(
+        &m,
+        &replica,
+        &[("msrc_ddl.t", &["id", "a2"]), ("msrc_ddl.v", &["id", "label"]), ("msrc_ddl.trunc", &["id"])],
+    )
+    .await;
+    let r = replica.lock().unwrap().clone();
+    assert_eq!(
+        r.schema_changes,
+        [
+            "create-table", // the snapshot
+            "add-column",
+            "update-column",
+            "create-table",
+            "rename-table",
+            "drop-column",
+            "create-table",
+            "drop-table",
+            "create-table",
+        ]
+    );
+    assert!(r.rows("msrc_ddl.gone").is_empty());
+    let create_u = r.raw.iter().find(|m| m.contains("\"create-table\"") && m.contains("\"name\":\"u\"")).unwrap();
+    assert!(create_u.contains("\"label\":{\"pos\":2,\"dataType\":\"varchar\""), "{create_u}");
+    assert!(create_u.contains("\"primaryKey\":[\"id\"]"), "{create_u}");
+    assert!(!r.raw.iter().any(|m| m.contains("msrc_ddl_other")), "another database's DDL");
+
+    // A statement it cannot express requires a reset, naming the statement.
+    m.sql("CREATE TABLE msrc_ddl.copy LIKE msrc_ddl.t");
+    let reason = sluice.wait_for_reset().await;
+    assert!(reason.contains("CREATE TABLE msrc_ddl.copy LIKE msrc_ddl.t"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarts_of_sluice_and_of_the_server_lose_and_duplicate_nothing() {
+    init_logs();
+    let mut server = mariadb::Server::start(&[]);
+    let m = &server.maria;
+    m.database("msrc_restart");
+    m.sql("CREATE TABLE msrc_restart.events (id int PRIMARY KEY, at int)");
+    let mut sluice = Sluice::start(m.config(&["msrc_restart"])).await;
+    let replica = sluice.subscribe().await;
+    converge(m, &replica, &[("msrc_restart.events", &["id", "at"])]).await;
+    // Sluice restarted in the middle of a stream of small transactions.
+    let socket = m.socket.clone();
+    let writer = std::thread::spawn(move || {
+        let m = Maria { host: String::new(), port: 0, socket };
+        for i in 0..20 {
+            let values: Vec<String> = (0..25).map(|j| format!("({}, {i})", i * 25 + j)).collect();
+            let stmts: Vec<String> =
+                values.iter().map(|v| format!("INSERT INTO msrc_restart.events VALUES {v}")).collect();
+            m.sql(&stmts.join(";"));
+        }
+    });
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        sluice.restart().await;
+    }
+    writer.join().unwrap();
+    converge(&server.maria, &replica, &[("msrc_restart.events", &["id", "at"])]).await;
+
+    // The server restarted cleanly, then killed, then the binlog connection cut.
+    let mut next = 500;
+    for kill in [false, true] {
+        server.restart(kill);
+        for _ in 0..20 {
+            server.maria.sql(&format!("INSERT INTO msrc_restart.events VALUES ({next}, -1)"));
+            next += 1;
+        }
+        converge(&server.maria, &replica, &[("msrc_restart.events", &["id", "at"])]).await;
+    }
+    let m = &server.maria;
+    m.sql(
+        "SELECT CONCAT('KILL ', MIN(ID)) INTO @k FROM information_schema.PROCESSLIST \
+         WHERE COMMAND LIKE 'Binlog Dump%'; EXECUTE IMMEDIATE @k",
+    );
+    m.sql("INSERT INTO msrc_restart.events VALUES (1000, -2), (1001, -2)");
+    converge(m, &replica, &[("msrc_restart.events", &["id", "at"])]).await;
+    let r = replica.lock().unwrap().clone();
+    assert_eq!(inserts_into(&r, "events"), 500 + 40 + 2, "every row exactly once");
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+    sluice.spec().assert_whole().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purged_binlog_requires_a_reset_with_the_reason() {
+    init_logs();
+    let server = mariadb::Server::start(&[]);
+    let m = &server.maria;
+    m.database("msrc_purge");
+    m.sql("CREATE TABLE msrc_purge.t (id int PRIMARY KEY); INSERT INTO msrc_purge.t VALUES (1)");
+    let mut sluice = Sluice::start(m.config(&["msrc_purge"])).await;
+    let replica = sluice.subscribe().await;
+    converge(m, &replica, &[("msrc_purge.t", &["id"])]).await;
+    sluice.stop().await;
+    // What Sluice has not read yet goes with the purged files.
+    m.sql("INSERT INTO msrc_purge.t VALUES (2); FLUSH BINARY LOGS; INSERT INTO msrc_purge.t VALUES (3); FLUSH BINARY LOGS");
+    // The server keeps a file until its binlog checkpoint has passed it:
+    // purge until only the newest remains.
+    wait_until("the older binlogs to be purged", WAIT, || {
+        let logs = m.sql("SHOW BINARY LOGS");
+        let newest = logs.lines().last().unwrap().split('\t').next().unwrap().to_string();
+        m.sql(&format!("PURGE BINARY LOGS TO '{newest}'"));
+        let left = m.sql("SHOW BINARY LOGS").lines().count();
+        async move { left == 1 }
+    })
+    .await;
+    sluice.run().await;
+    let reason = sluice.wait_for_reset().await;
+    assert!(reason.contains("cannot continue from GTID"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_up_errors_are_clear() {
+    init_logs();
+    let registry = Registry::load(&plugin_dir(), None).await.unwrap();
+    let open = |config: Value| {
+        let registry = &registry;
+        async move {
+            let config = config.to_string();
+            let endpoints = sluice::plugin::net::config_endpoints(&config).unwrap();
+            let grant = sluice::plugin::net::resolve(&endpoints).unwrap();
+            let mut source = registry.source("mariadb-source", config, Limits::default(), grant).await.unwrap();
+            sluice::source::ChangeSource::open(&mut source, None).await.err().map(|e| e.to_string())
+        }
+    };
+    // A server without the settings a row-based reader needs.
+    let server = mariadb::Server::start(&["--binlog-format=MIXED", "--binlog-row-metadata=MINIMAL"]);
+    server.maria.database("msrc_setup");
+    let err = open(server.maria.config(&["msrc_setup"])).await.expect("refused");
+    assert!(err.contains("binlog_format is MIXED, not ROW (SET GLOBAL binlog_format=ROW)"), "{err}");
+    assert!(err.contains("binlog_row_metadata is MINIMAL, not FULL"), "{err}");
+    drop(server);
+
+    let m = mariadb::shared();
+    m.database("msrc_setup");
+    let mut wrong = m.config(&["msrc_setup"]);
+    wrong["password"] = json!("wrong");
+    let err = open(wrong).await.expect("refused");
+    assert!(err.contains("refused the login") && err.contains("Access denied"), "{err}");
+    let mut nothing = m.config(&[]);
+    nothing.as_object_mut().unwrap().remove("databases");
+    let err = open(nothing).await.expect("refused");
+    assert!(err.contains("name the `databases`"), "{err}");
+    let mut unknown = m.config(&["msrc_setup"]);
+    unknown["colour"] = json!("blue");
+    let err = open(unknown).await.expect("refused");
+    assert!(err.contains("unknown field `colour`"), "{err}");
+    // Nothing listens: a transient error naming the address.
+    let mut closed = m.config(&["msrc_setup"]);
+    closed["port"] = json!(std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port());
+    let err = open(closed).await.expect("refused");
+    assert!(err.contains("cannot reach MariaDB at 127.0.0.1:"), "{err}");
+}

@@ -190,7 +190,8 @@ impl Server {
     pub fn stop(&mut self, kill: bool) {
         if let Some(mut c) = self.child.take() {
             if kill {
-                let _ = Command::new("pkill").args(["-9", "-f", &format!("--port={}", self.maria.port)]).status();
+                let pid = std::fs::read_to_string(self.dir.path().join("mysqld.pid")).unwrap_or_default();
+                let _ = Command::new("kill").args(["-9", pid.trim()]).status();
             } else {
                 let _ = self.maria.try_sql("SHUTDOWN");
             }
