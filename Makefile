@@ -55,7 +55,7 @@ chaos: plugins
 
 bench: plugins
 	$(CARGO) build --release --bin sluice --bin sluice-bench
-	tests/pg/with-postgres.sh ./target/release/sluice-bench
+	tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh ./target/release/sluice-bench
 
 fmt:
 	$(CARGO) fmt --all

@@ -191,19 +191,13 @@ impl Raw {
     /// The columns SIGNEDNESS has a bit for: MariaDB leaves out FLOAT,
     /// DOUBLE, YEAR and BIT (measured against 10.11).
     fn numeric(&self) -> bool {
-        matches!(
-            self.ty,
-            t::TINY | t::SHORT | t::INT24 | t::LONG | t::LONGLONG | t::NEWDECIMAL | t::DECIMAL
-        )
+        matches!(self.ty, t::TINY | t::SHORT | t::INT24 | t::LONG | t::LONGLONG | t::NEWDECIMAL | t::DECIMAL)
     }
     fn character(&self) -> bool {
         matches!(
             self.ty,
             t::STRING | t::VAR_STRING | t::VARCHAR | t::BLOB | t::TINY_BLOB | t::MEDIUM_BLOB | t::LONG_BLOB
         )
-    }
-    fn enum_or_set(&self) -> bool {
-        matches!(self.ty, t::ENUM | t::SET)
     }
 }
 
@@ -227,8 +221,17 @@ pub fn table_map(body: &[u8]) -> Res<TableMap> {
     let mut raws = Vec::with_capacity(count);
     for &ty in &types {
         let (ty, meta) = match ty {
-            t::FLOAT | t::DOUBLE | t::BLOB | t::TINY_BLOB | t::MEDIUM_BLOB | t::LONG_BLOB | t::GEOMETRY | t::JSON
-            | t::TIMESTAMP2 | t::DATETIME2 | t::TIME2 => (ty, m.u8()? as u16),
+            t::FLOAT
+            | t::DOUBLE
+            | t::BLOB
+            | t::TINY_BLOB
+            | t::MEDIUM_BLOB
+            | t::LONG_BLOB
+            | t::GEOMETRY
+            | t::JSON
+            | t::TIMESTAMP2
+            | t::DATETIME2
+            | t::TIME2 => (ty, m.u8()? as u16),
             t::VARCHAR => (ty, m.u16()?),
             t::BIT | t::NEWDECIMAL | t::ENUM | t::SET => {
                 let a = m.u8()? as u16;
@@ -375,7 +378,6 @@ pub fn table_map(body: &[u8]) -> Res<TableMap> {
             t::SET => ColType::Set { pack: raw.meta as u8, labels: sets.next().unwrap_or_default() },
             other => return Err(format!("{db}.{table}: column {} has binlog type {other}, not supported", i + 1)),
         };
-        let _ = raw.enum_or_set();
         let name = names.get(i).cloned().unwrap_or_else(|| format!("col{}", i + 1));
         let nullable = nulls.get(i / 8).is_some_and(|b| b & (1 << (i % 8)) != 0);
         columns.push(Column { name, ty, nullable });

@@ -249,8 +249,6 @@ struct Handshake {
     server_version: String,
     capabilities: u32,
     scramble: Vec<u8>,
-    #[allow(dead_code)]
-    plugin: String,
 }
 
 impl Handshake {
@@ -266,7 +264,6 @@ impl Handshake {
         c.skip(1)?;
         let cap_low = c.u16()? as u32;
         let mut capabilities = cap_low;
-        let mut plugin = String::new();
         if !c.is_empty() {
             c.skip(1)?; // charset
             c.skip(2)?; // status
@@ -278,13 +275,10 @@ impl Handshake {
                 let part = c.bytes(n.min(c.remaining()))?;
                 scramble.extend_from_slice(part.strip_suffix(&[0]).unwrap_or(part));
             }
-            if capabilities & CLIENT_PLUGIN_AUTH != 0 && !c.is_empty() {
-                let rest = c.rest();
-                let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
-                plugin = String::from_utf8_lossy(&rest[..end]).into_owned();
-            }
+            // The plugin name follows; we answer with mysql_native_password
+            // whatever it says, and a server that wants another switches us.
         }
-        Ok(Handshake { server_version, capabilities, scramble, plugin })
+        Ok(Handshake { server_version, capabilities, scramble })
     }
 }
 

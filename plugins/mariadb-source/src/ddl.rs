@@ -24,7 +24,11 @@ pub enum AlterOp {
     Add(ColumnDef),
     Drop(String),
     /// Old name, new definition (`CHANGE`, `MODIFY`, `RENAME COLUMN`).
-    Change { old: String, new: Option<ColumnDef>, new_name: String },
+    Change {
+        old: String,
+        new: Option<ColumnDef>,
+        new_name: String,
+    },
     RenameTable(TableRef),
 }
 
@@ -36,15 +40,25 @@ pub struct TableRef {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Ddl {
-    CreateTable { table: TableRef, columns: Vec<ColumnDef>, primary_key: Vec<String> },
+    CreateTable {
+        table: TableRef,
+        columns: Vec<ColumnDef>,
+        primary_key: Vec<String>,
+    },
     DropTables(Vec<TableRef>),
     RenameTables(Vec<(TableRef, TableRef)>),
     Truncate(TableRef),
-    Alter { table: TableRef, ops: Vec<AlterOp> },
+    Alter {
+        table: TableRef,
+        ops: Vec<AlterOp>,
+    },
     /// Does not touch tables (CREATE DATABASE, GRANT, CREATE USER, ...).
     NotTables,
     /// Touches `tables` in a way we cannot express.
-    Unsupported { tables: Vec<TableRef>, why: String },
+    Unsupported {
+        tables: Vec<TableRef>,
+        why: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -386,7 +400,8 @@ fn column_def(p: &mut P) -> Result<(ColumnDef, bool), String> {
     p.skip_group();
     let args: Vec<&Tok> = p.toks[start..p.at].iter().collect();
     let nums: Vec<u64> = args.iter().filter_map(|t| if let Tok::Num(n) = t { n.parse().ok() } else { None }).collect();
-    let labels: Vec<String> = args.iter().filter_map(|t| if let Tok::Str(s) = t { Some(s.clone()) } else { None }).collect();
+    let labels: Vec<String> =
+        args.iter().filter_map(|t| if let Tok::Str(s) = t { Some(s.clone()) } else { None }).collect();
     let mut unsigned = false;
     let mut not_null = false;
     let mut pk = false;
@@ -441,13 +456,9 @@ fn column_def(p: &mut P) -> Result<(ColumnDef, bool), String> {
         "bit" => ("bit", n0.or(Some(1)), None, None, None),
         "character" | "nchar" => ("char", None, None, None, n0.or(Some(1))),
         "char" | "binary" => (ty_word.as_str(), None, None, None, n0.or(Some(1))),
-        "varchar" | "varbinary" | "nvarchar" => (
-            if ty_word == "varbinary" { "varbinary" } else { "varchar" },
-            None,
-            None,
-            None,
-            n0,
-        ),
+        "varchar" | "varbinary" | "nvarchar" => {
+            (if ty_word == "varbinary" { "varbinary" } else { "varchar" }, None, None, None, n0)
+        }
         "int1" => ("tinyint", None, None, None, None),
         "int2" => ("smallint", None, None, None, None),
         "int3" | "middleint" => ("mediumint", None, None, None, None),
@@ -463,7 +474,8 @@ fn column_def(p: &mut P) -> Result<(ColumnDef, bool), String> {
     } else {
         column_type
     };
-    let unsigned_type = if data_type == "serial" || ty_word == "serial" { "bigint unsigned".to_string() } else { column_type };
+    let unsigned_type =
+        if data_type == "serial" || ty_word == "serial" { "bigint unsigned".to_string() } else { column_type };
     let data_type = match (data_type, binary_cs) {
         ("varchar", true) => "varbinary",
         ("char", true) => "binary",
@@ -602,7 +614,9 @@ mod tests {
         assert_eq!(ops.len(), 4, "{ops:?}");
         assert!(matches!(&ops[0], AlterOp::Add(c) if c.name == "phone"));
         assert_eq!(ops[1], AlterOp::Drop("fax".into()));
-        assert!(matches!(&ops[2], AlterOp::Change { old, new_name, new: Some(_) } if old == "old_name" && new_name == "new_name"));
+        assert!(
+            matches!(&ops[2], AlterOp::Change { old, new_name, new: Some(_) } if old == "old_name" && new_name == "new_name")
+        );
         assert!(matches!(&ops[3], AlterOp::Change { old, new_name, new: None } if old == "a" && new_name == "b"));
     }
 

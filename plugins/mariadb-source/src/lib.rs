@@ -94,8 +94,8 @@ fn default_snapshot_batch() -> u32 {
 
 impl Config {
     pub fn parse(text: &str) -> Result<Config, PluginError> {
-        let c: Config =
-            serde_json::from_str(text).map_err(|e| PluginError::InvalidConfig(format!("mariadb-source config: {e}")))?;
+        let c: Config = serde_json::from_str(text)
+            .map_err(|e| PluginError::InvalidConfig(format!("mariadb-source config: {e}")))?;
         if c.databases.is_empty() && c.tables.is_empty() {
             return Err(PluginError::InvalidConfig(
                 "mariadb-source config: name the `databases` (or `tables`, as db.table) to capture".into(),
@@ -116,7 +116,8 @@ impl Config {
     }
 
     pub fn captures_db(&self, db: &str) -> bool {
-        self.databases.iter().any(|d| d == db) || self.tables.iter().any(|t| t.split_once('.').is_some_and(|(d, _)| d == db))
+        self.databases.iter().any(|d| d == db)
+            || self.tables.iter().any(|t| t.split_once('.').is_some_and(|(d, _)| d == db))
     }
 
     fn timeout(&self) -> Duration {
@@ -227,8 +228,13 @@ pub fn check_server(c: &mut Client, endpoint: &str) -> Result<(), PluginError> {
     let rows = c
         .query("SELECT @@log_bin, @@binlog_format, @@binlog_row_image, @@binlog_row_metadata")
         .map_err(|e| PluginError::Transient(format!("MariaDB at {endpoint}: reading the binlog settings: {e}")))?;
-    let row: Vec<String> =
-        rows.into_iter().next().unwrap_or_default().into_iter().map(|v| v.map(client::text).unwrap_or_default()).collect();
+    let row: Vec<String> = rows
+        .into_iter()
+        .next()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|v| v.map(client::text).unwrap_or_default())
+        .collect();
     let get = |i: usize| row.get(i).map(String::as_str).unwrap_or("");
     let mut problems = Vec::new();
     if get(0) != "1" {
@@ -249,7 +255,10 @@ pub fn check_server(c: &mut Client, endpoint: &str) -> Result<(), PluginError> {
     if problems.is_empty() {
         Ok(())
     } else {
-        Err(PluginError::Fatal(format!("MariaDB at {endpoint} cannot be read as a row-based binlog: {}", problems.join("; "))))
+        Err(PluginError::Fatal(format!(
+            "MariaDB at {endpoint} cannot be read as a row-based binlog: {}",
+            problems.join("; ")
+        )))
     }
 }
 
@@ -271,7 +280,13 @@ impl Guest for Component {
                         r.watermark
                     ))
                 })?;
-                Phase::Replicating(replication::Replication::start(&config, r.replica_version, counter, pos, tables::Tables::default())?)
+                Phase::Replicating(replication::Replication::start(
+                    &config,
+                    r.replica_version,
+                    counter,
+                    pos,
+                    tables::Tables::default(),
+                )?)
             }
         };
         Ok(ChangeStream::new(MariaStream(RefCell::new(Stream { config, phase, deferred: None }))))
@@ -350,6 +365,29 @@ impl GuestChangeStream for MariaStream {
     fn ack(&self, _watermark: String) -> Result<(), PluginError> {
         Ok(())
     }
+}
+
+/// The binlog reader built natively, for `sluice-bench`: streams from the
+/// GTID position `pos` through the same client, decoder and conversion the
+/// plugin runs, until `rows` row changes came out; returns the time taken.
+pub fn stream_natively(config: &str, pos: &str, rows: u64) -> Result<Duration, String> {
+    let text = |e: PluginError| format!("{e:?}");
+    let config = Config::parse(config).map_err(text)?;
+    let pos = GtidPos::parse(pos)?;
+    let started = std::time::Instant::now();
+    let mut stream =
+        replication::Replication::start(&config, String::new(), 0, pos, tables::Tables::default()).map_err(text)?;
+    let (mut seen, mut out) = (0u64, Vec::new());
+    while seen < rows {
+        if started.elapsed() > Duration::from_secs(300) {
+            return Err(format!("only {seen} of {rows} row changes in 300 s"));
+        }
+        out.clear();
+        stream.next_batch(&config, 512, &mut out).map_err(text)?;
+        seen += out.iter().filter(|m| matches!(m, Message::Insert(_) | Message::Update(_) | Message::Delete(_))).count()
+            as u64;
+    }
+    Ok(started.elapsed())
 }
 
 // Natively (unit tests, the decoder benchmark) the crate is a plain library.

@@ -159,7 +159,10 @@ impl Replication {
                     ClientError::Server { code: FATAL_READING_BINLOG, message } => {
                         // The position is not in the server's binlogs (purged,
                         // or another server's history): this lineage is over.
-                        self.reset(out, format!("MariaDB at {} cannot continue from GTID {}: {message}", self.endpoint, self.pos));
+                        self.reset(
+                            out,
+                            format!("MariaDB at {} cannot continue from GTID {}: {message}", self.endpoint, self.pos),
+                        );
                         Ok(())
                     }
                     e => Err(PluginError::Transient(format!("MariaDB at {}: binlog dump: {e}", self.endpoint))),
@@ -280,7 +283,8 @@ impl Replication {
         let Some(tx) = self.tx.as_mut() else { return Ok(()) };
         if !tx.begun {
             tx.begun = true;
-            let extra = (tx.domain != u32::MAX).then(|| format!("{{\"gtid\":\"{}-{}-{}\"}}", tx.domain, tx.server, tx.seq));
+            let extra =
+                (tx.domain != u32::MAX).then(|| format!("{{\"gtid\":\"{}-{}-{}\"}}", tx.domain, tx.server, tx.seq));
             out.push(Message::Begin(Begin { commit_watermark: tx.watermark.clone(), extra }));
         }
         Ok(())
@@ -352,7 +356,10 @@ impl Replication {
                             self.tables.drop(&a);
                         }
                         (false, true) => {
-                            self.reset(out, format!("table {}.{} was renamed into the capture: {excerpt}", a.db, a.table));
+                            self.reset(
+                                out,
+                                format!("table {}.{} was renamed into the capture: {excerpt}", a.db, a.table),
+                            );
                             return Ok(());
                         }
                         (false, false) => {}
@@ -393,9 +400,15 @@ impl Replication {
                             let (pos, old_def) = match self.tables.column(&table, &old) {
                                 Some((i, d)) => (i + 1, d),
                                 None => match &new {
-                                    Some(n) => (self.tables.columns(&table) + 1, ddl::ColumnDef { name: old.clone(), ..n.clone() }),
+                                    Some(n) => (
+                                        self.tables.columns(&table) + 1,
+                                        ddl::ColumnDef { name: old.clone(), ..n.clone() },
+                                    ),
                                     None => {
-                                        self.reset(out, format!("cannot follow a rename of unknown column {old}: {excerpt}"));
+                                        self.reset(
+                                            out,
+                                            format!("cannot follow a rename of unknown column {old}: {excerpt}"),
+                                        );
                                         return Ok(());
                                     }
                                 },
@@ -438,7 +451,8 @@ impl Replication {
 /// Row images to inserts, updates and deletes. Old images carry the key
 /// (every column for a table without a primary key).
 fn convert_rows(relation: u32, rows: binlog::Rows, key: &[usize], out: &mut Vec<Message>) {
-    let full = |img: Vec<Option<Value>>| -> Vec<Value> { img.into_iter().map(|v| v.unwrap_or(Value::Absent)).collect() };
+    let full =
+        |img: Vec<Option<Value>>| -> Vec<Value> { img.into_iter().map(|v| v.unwrap_or(Value::Absent)).collect() };
     let key_only = |img: &[Option<Value>]| -> Vec<Value> {
         img.iter()
             .enumerate()

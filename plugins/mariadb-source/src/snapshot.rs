@@ -54,7 +54,8 @@ impl Snapshot {
         ] {
             c.execute(sql).map_err(transient(&endpoint, sql))?;
         }
-        let status = c.query("SHOW STATUS LIKE 'binlog_snapshot_%'").map_err(transient(&endpoint, "snapshot position"))?;
+        let status =
+            c.query("SHOW STATUS LIKE 'binlog_snapshot_%'").map_err(transient(&endpoint, "snapshot position"))?;
         let mut file = None;
         let mut offset = None;
         for row in status {
@@ -74,13 +75,17 @@ impl Snapshot {
         let gtid = c
             .query_value(&format!("SELECT BINLOG_GTID_POS({}, {offset})", quote(&file)))
             .map_err(transient(&endpoint, "BINLOG_GTID_POS"))?
-            .ok_or_else(|| PluginError::Transient(format!("MariaDB at {endpoint}: no GTID position for {file}:{offset}")))?;
+            .ok_or_else(|| {
+                PluginError::Transient(format!("MariaDB at {endpoint}: no GTID position for {file}:{offset}"))
+            })?;
         let pos = GtidPos::parse(&gtid).map_err(|e| PluginError::Fatal(format!("MariaDB at {endpoint}: {e}")))?;
 
         let mut pending = VecDeque::new();
         for t in captured_tables(&mut c, config).map_err(transient(&endpoint, "listing tables"))? {
             let (columns, pk) = describe(&mut c, &t).map_err(|e| match e {
-                Described::Client(e) => PluginError::Transient(format!("MariaDB at {endpoint}: describing {}.{}: {e}", t.db, t.table)),
+                Described::Client(e) => {
+                    PluginError::Transient(format!("MariaDB at {endpoint}: describing {}.{}: {e}", t.db, t.table))
+                }
                 Described::Unsupported(why) => PluginError::Fatal(format!("{}.{}: {why}", t.db, t.table)),
             })?;
             pending.push_back((t, columns, pk));
@@ -134,13 +139,17 @@ impl Snapshot {
                     }
                     let tables = std::mem::take(&mut self.tables);
                     let replica_version = self.replica_version.clone();
-                    return Replication::start(config, replica_version, self.counter, self.pos.clone(), tables).map(Some);
+                    return Replication::start(config, replica_version, self.counter, self.pos.clone(), tables)
+                        .map(Some);
                 };
                 let names: Vec<String> = columns.iter().map(|c| c.name.clone()).collect();
                 let types = columns.iter().map(|c| c.ty.clone()).collect();
                 self.tables.set(&t, columns, pk.clone());
                 let relation = self.tables.declare(&t, names.clone(), pk, out);
-                out.push(Message::Schema(SchemaChange::CreateTable(CreateTable { spec: self.tables.spec(&t), metadata: None })));
+                out.push(Message::Schema(SchemaChange::CreateTable(CreateTable {
+                    spec: self.tables.spec(&t),
+                    metadata: None,
+                })));
                 let list: Vec<String> = names.iter().map(|n| ident(n)).collect();
                 let sql = format!("SELECT {} FROM {}.{}", list.join(", "), ident(&t.db), ident(&t.table));
                 let n = client.start_query(&sql).map_err(transient(&endpoint, &sql))?;
@@ -150,7 +159,8 @@ impl Snapshot {
                 self.current = Some(Current { table: t, relation, types });
                 continue;
             };
-            let row: Option<Row> = client.next_row(cur.types.len()).map_err(transient(&endpoint, "reading snapshot rows"))?;
+            let row: Option<Row> =
+                client.next_row(cur.types.len()).map_err(transient(&endpoint, "reading snapshot rows"))?;
             match row {
                 None => self.current = None,
                 Some(row) => {

@@ -12,28 +12,60 @@ use crate::Value;
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum ColType {
-    Int { bytes: u8, unsigned: bool },
+    Int {
+        bytes: u8,
+        unsigned: bool,
+    },
     Year,
     Float,
     Double,
-    Decimal { precision: u8, scale: u8 },
+    Decimal {
+        precision: u8,
+        scale: u8,
+    },
     Date,
-    DateTime { fsp: u8 },
-    Timestamp { fsp: u8 },
-    Time { fsp: u8 },
+    DateTime {
+        fsp: u8,
+    },
+    Timestamp {
+        fsp: u8,
+    },
+    Time {
+        fsp: u8,
+    },
     /// Pre-5.6 temporal formats (no fractions).
     DateTimeV1,
     TimestampV1,
     TimeV1,
     /// VARCHAR / VARBINARY.
-    VarString { max_len: u16, binary: bool, latin1: bool },
+    VarString {
+        max_len: u16,
+        binary: bool,
+        latin1: bool,
+    },
     /// CHAR / BINARY.
-    Char { max_len: u16, binary: bool, latin1: bool },
+    Char {
+        max_len: u16,
+        binary: bool,
+        latin1: bool,
+    },
     /// TEXT / BLOB (and MariaDB's JSON, which is LONGTEXT).
-    Blob { len_bytes: u8, binary: bool, latin1: bool },
-    Bit { bytes: usize },
-    Enum { pack: u8, labels: Vec<String> },
-    Set { pack: u8, labels: Vec<String> },
+    Blob {
+        len_bytes: u8,
+        binary: bool,
+        latin1: bool,
+    },
+    Bit {
+        bytes: usize,
+    },
+    Enum {
+        pack: u8,
+        labels: Vec<String>,
+    },
+    Set {
+        pack: u8,
+        labels: Vec<String>,
+    },
 }
 
 impl ColType {
@@ -263,17 +295,17 @@ pub fn decode_text(raw: Option<&[u8]>, ty: &ColType) -> Res<Value> {
         ColType::Float | ColType::Double => Value::Float(s()?.parse().map_err(|e| format!("{e}"))?),
         ColType::Decimal { .. } => Value::Numeric(s()?.to_string()),
         ColType::Timestamp { .. } | ColType::TimestampV1 => Value::Other(format!("{}+00", s()?)),
-        ColType::Date
-        | ColType::DateTime { .. }
-        | ColType::Time { .. }
-        | ColType::DateTimeV1
-        | ColType::TimeV1 => Value::Other(s()?.to_string()),
-        ColType::VarString { binary: true, .. } | ColType::Char { binary: true, .. } | ColType::Blob { binary: true, .. } => {
-            Value::Bytes(raw.to_vec())
+        ColType::Date | ColType::DateTime { .. } | ColType::Time { .. } | ColType::DateTimeV1 | ColType::TimeV1 => {
+            Value::Other(s()?.to_string())
         }
-        ColType::VarString { .. } | ColType::Char { .. } | ColType::Blob { .. } | ColType::Enum { .. } | ColType::Set { .. } => {
-            Value::Text(String::from_utf8_lossy(raw).into_owned())
-        }
+        ColType::VarString { binary: true, .. }
+        | ColType::Char { binary: true, .. }
+        | ColType::Blob { binary: true, .. } => Value::Bytes(raw.to_vec()),
+        ColType::VarString { .. }
+        | ColType::Char { .. }
+        | ColType::Blob { .. }
+        | ColType::Enum { .. }
+        | ColType::Set { .. } => Value::Text(String::from_utf8_lossy(raw).into_owned()),
         ColType::Bit { .. } => Value::Uint(raw.iter().take(8).fold(0u64, |a, &b| (a << 8) | b as u64)),
     })
 }
@@ -327,13 +359,7 @@ fn timestamp_text(secs: i64, micros: u64, fsp: u8) -> String {
     let days = secs.div_euclid(86_400);
     let rem = secs.rem_euclid(86_400);
     let (y, m, d) = civil_from_days(days);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}{}+00",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60,
-        frac_text(micros, fsp)
-    )
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}{}+00", rem / 3600, rem / 60 % 60, rem % 60, frac_text(micros, fsp))
 }
 
 /// Days since 1970-01-01 to (year, month, day), proleptic Gregorian.

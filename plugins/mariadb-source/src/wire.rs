@@ -252,7 +252,7 @@ impl<'a> Cursor<'a> {
     }
 
     pub fn u48(&mut self) -> Res<u64> {
-        Ok(self.uint_le(6)?)
+        self.uint_le(6)
     }
 
     pub fn u64(&mut self) -> Res<u64> {

@@ -17,6 +17,7 @@ use tokio::sync::watch;
 
 mod custom_source;
 mod filters;
+mod mariadb_source;
 mod pg_source;
 
 fn plugin_dir() -> PathBuf {
@@ -28,7 +29,7 @@ async fn main() -> anyhow::Result<()> {
     let tmp = std::env::temp_dir().join(format!("sluice-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
     let registry = Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?;
-    // `sluice-bench [boundary|store|custom|postgres|pgsource|fanout|filters|catchup ...]`: all by default.
+    // `sluice-bench [boundary|store|custom|postgres|pgsource|mariadb|fanout|filters|catchup ...]`: all by default.
     let only: Vec<String> = std::env::args().skip(1).collect();
     let run = |section: &str| only.is_empty() || only.iter().any(|o| o == section);
     println!("# Sluice benchmarks ({} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
@@ -69,6 +70,15 @@ async fn main() -> anyhow::Result<()> {
     if let (true, Some(url)) = (run("pgsource"), &pg_url) {
         println!("\n## Postgres source (pgoutput) -> durable SQLite change log -> 1 subscriber, upstream on the same machine");
         pg_source::run(url, &tmp).await?;
+    }
+    if run("mariadb") {
+        match (std::env::var("SLUICE_TEST_MARIADB"), std::env::var("SLUICE_TEST_MARIADB_SOCKET")) {
+            (Ok(addr), Ok(socket)) => {
+                println!("\n## mariadb-source: MariaDB binlog -> plugin -> durable SQLite change log -> 1 subscriber");
+                mariadb_source::run(&registry, (addr, socket), &tmp).await?;
+            }
+            _ => println!("\n(no SLUICE_TEST_MARIADB: MariaDB figures skipped; `make bench` starts a server)"),
+        }
     }
     if run("fanout") {
         println!("\n## Fan-out over WebSockets (sluice process on the mock source, 10 rows of 100 B per transaction)");
