@@ -3,7 +3,8 @@
 //! tests/interop/node_modules) subscribes to a running Sluice fed by the mock
 //! source. Every message must pass Zero's downstream schema and every
 //! transaction must arrive once and in order, across a SIGKILL and restart of
-//! Sluice in the middle.
+//! Sluice in the middle. The same client then follows the Postgres source,
+//! a custom upstream and MariaDB (the mariadb-source plugin).
 
 mod common;
 
@@ -286,4 +287,60 @@ fn zeros_client_follows_a_custom_upstream_across_a_kill() {
     let conns = up.connections();
     assert!(conns.len() >= 2, "{conns:?}");
     assert!(conns[1..].iter().all(|q| common::custom_upstream::param(q, "lastWatermark").is_some()), "{conns:?}");
+}
+
+/// Zero's client on the mariadb-source plugin: the initial snapshot and then
+/// every MariaDB transaction once, in order, with big integers intact and
+/// every message passing Zero's downstream schema, across a SIGKILL of
+/// Sluice while MariaDB keeps committing.
+#[test]
+fn zeros_client_follows_mariadb_across_a_kill() {
+    let m = common::mariadb::shared();
+    let db = "interop_mariadb";
+    m.database(db);
+    let first: Vec<String> = (0..50).map(|i| format!("({i}, (1 << 60) + {i})")).collect();
+    m.sql(&format!(
+        "CREATE TABLE {db}.events (id int PRIMARY KEY, big bigint); INSERT INTO {db}.events VALUES {}",
+        first.join(", ")
+    ));
+
+    let dir = tempfile::tempdir().unwrap();
+    let change_db = format!("sqlite:{}", dir.path().join("log.db").display());
+    let addr = free_port();
+    let config = m.config(&[db]).to_string();
+    let spawn = || {
+        Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(["run", "--source", "mariadb-source", "--listen", &addr, "--source-config", &config])
+            .arg("--plugins")
+            .arg(common::plugin_dir())
+            .args(["--change-db", &change_db])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut sluice = spawn();
+    let replica_version = wait_for_replica_version(&addr);
+
+    // 1 snapshot + 200 transactions; 250 events in all.
+    let client =
+        ZeroClient::spawn(&[&format!("ws://{addr}/"), replica_version.as_str(), "201", "zero", "events", "250"]);
+    let write = |from: i32, to: i32| {
+        let stmts: Vec<String> =
+            (from..to).map(|id| format!("INSERT INTO {db}.events VALUES ({id}, (1 << 60) + {id})")).collect();
+        m.sql(&stmts.join(";"));
+    };
+    write(50, 150);
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    write(150, 200);
+    let mut sluice = spawn();
+    write(200, 250);
+
+    let (summary, status) = client.finish();
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    assert_eq!(summary["problems"], serde_json::json!([]), "{summary}");
+    assert_eq!(summary["commits"], 201, "{summary}");
+    assert!(status.success(), "{summary}");
 }

@@ -41,7 +41,17 @@ impl Maria {
 
     pub fn try_sql(&self, sql: &str) -> Result<String, String> {
         let out = Command::new("mariadb")
-            .args(["--no-defaults", "--default-character-set=utf8mb4", "-S", &self.socket, "-u", "root", "-N", "-B", "--raw"])
+            .args([
+                "--no-defaults",
+                "--default-character-set=utf8mb4",
+                "-S",
+                &self.socket,
+                "-u",
+                "root",
+                "-N",
+                "-B",
+                "--raw",
+            ])
             .args(["-e", sql])
             .output()
             .map_err(|e| format!("running mariadb: {e}"))?;
@@ -130,7 +140,11 @@ impl Server {
             Command::new("chown").args(["mysql", dir.path().to_str().unwrap()]).status().unwrap();
         }
         let data = dir.path().join("data");
-        let user = if root { "mysql".to_string() } else { String::from_utf8_lossy(&Command::new("id").arg("-un").output().unwrap().stdout).trim().to_string() };
+        let user = if root {
+            "mysql".to_string()
+        } else {
+            String::from_utf8_lossy(&Command::new("id").arg("-un").output().unwrap().stdout).trim().to_string()
+        };
         let out = as_mysql("mariadb-install-db")
             .args(["--no-defaults", &format!("--datadir={}", data.display()), &format!("--user={user}")])
             .args(["--auth-root-authentication-method=socket", "--skip-test-db"])

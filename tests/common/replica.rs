@@ -192,4 +192,3 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
-
