@@ -328,8 +328,15 @@ async fn restarts_of_sluice_and_of_the_server_lose_and_duplicate_nothing() {
     let mut server = mariadb::Server::start(&[]);
     let m = &server.maria;
     m.database("msrc_restart");
-    m.sql("CREATE TABLE msrc_restart.events (id int PRIMARY KEY, at int)");
-    let mut sluice = Sluice::start(m.config(&["msrc_restart"])).await;
+    // A snapshot of 3,000 rows handed over 500 at a time.
+    let first: Vec<String> = (0..3000).map(|i| format!("({}, -3)", 10_000 + i)).collect();
+    m.sql(&format!(
+        "CREATE TABLE msrc_restart.events (id int PRIMARY KEY, at int); INSERT INTO msrc_restart.events VALUES {}",
+        first.join(", ")
+    ));
+    let mut config = m.config(&["msrc_restart"]);
+    config["snapshot_batch_rows"] = json!(500);
+    let mut sluice = Sluice::start(config).await;
     let replica = sluice.subscribe().await;
     converge(m, &replica, &[("msrc_restart.events", &["id", "at"])]).await;
     // Sluice restarted in the middle of a stream of small transactions.
@@ -367,10 +374,58 @@ async fn restarts_of_sluice_and_of_the_server_lose_and_duplicate_nothing() {
     );
     m.sql("INSERT INTO msrc_restart.events VALUES (1000, -2), (1001, -2)");
     converge(m, &replica, &[("msrc_restart.events", &["id", "at"])]).await;
+
+    // A second GTID domain, and Sluice restarted with a position in both.
+    m.sql(
+        "SET SESSION gtid_domain_id = 5; INSERT INTO msrc_restart.events VALUES (2000, 5); \
+         INSERT INTO msrc_restart.events VALUES (2001, 5)",
+    );
+    converge(m, &replica, &[("msrc_restart.events", &["id", "at"])]).await;
+    sluice.restart().await;
+    m.sql("INSERT INTO msrc_restart.events VALUES (2002, 0); SET SESSION gtid_domain_id = 5; INSERT INTO msrc_restart.events VALUES (2003, 5)");
+    converge(m, &replica, &[("msrc_restart.events", &["id", "at"])]).await;
     let r = replica.lock().unwrap().clone();
-    assert_eq!(inserts_into(&r, "events"), 500 + 40 + 2, "every row exactly once");
+    assert_eq!(inserts_into(&r, "events"), 3000 + 500 + 40 + 2 + 4, "every row exactly once");
+    let last = r.commits.last().unwrap();
+    let (lexi, pos) = last.split_once('.').unwrap();
+    let sum: u64 = pos.split(',').map(|g| g.rsplit('-').next().unwrap().parse::<u64>().unwrap()).sum();
+    assert!(pos.starts_with("0-1-") && pos.contains(",5-1-"), "{last}: both domains");
+    assert_eq!(sluice::watermark::from_lexi(lexi), Some(sum as u128), "{last}: the counter sums the domains");
     assert!(r.problems.is_empty(), "{:?}", r.problems);
     sluice.spec().assert_whole().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_stops_answering_is_told_apart_from_a_quiet_one() {
+    init_logs();
+    let server = mariadb::Server::start(&[]);
+    let m = &server.maria;
+    m.database("msrc_quiet");
+    m.sql("CREATE TABLE msrc_quiet.t (id int PRIMARY KEY); INSERT INTO msrc_quiet.t VALUES (1)");
+    let sluice = Sluice::start(m.config(&["msrc_quiet"])).await;
+    let replica = sluice.subscribe().await;
+    converge(m, &replica, &[("msrc_quiet.t", &["id"])]).await;
+    // Quiet for several heartbeat periods (500 ms): still running.
+    let st = sluice.status.clone();
+    let quiet_until = std::time::Instant::now() + Duration::from_secs(4);
+    while std::time::Instant::now() < quiet_until {
+        assert!(matches!(st.snapshot().source, sluice::status::SourceState::Running), "{:?}", st.snapshot().source);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Frozen: no heartbeats, and the stream is given up with the reason.
+    server.freeze(true);
+    wait_until("the missed heartbeats to be noticed", WAIT, || {
+        let s = st.snapshot();
+        async move {
+            matches!(&s.source, sluice::status::SourceState::BackingOff { last_error, .. }
+                if last_error.contains("no binlog event or heartbeat"))
+        }
+    })
+    .await;
+    server.freeze(false);
+    m.sql("INSERT INTO msrc_quiet.t VALUES (2)");
+    converge(m, &replica, &[("msrc_quiet.t", &["id"])]).await;
+    assert_eq!(inserts_into(&replica.lock().unwrap(), "t"), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -202,6 +202,7 @@ impl Server {
     /// Stops the server: `kill` sends SIGKILL (a crash), otherwise a clean
     /// shutdown.
     pub fn stop(&mut self, kill: bool) {
+        self.wake_runuser();
         if let Some(mut c) = self.child.take() {
             if kill {
                 let pid = std::fs::read_to_string(self.dir.path().join("mysqld.pid")).unwrap_or_default();
@@ -210,6 +211,23 @@ impl Server {
                 let _ = self.maria.try_sql("SHUTDOWN");
             }
             let _ = c.wait();
+        }
+    }
+
+    /// Freezes (SIGSTOP) or thaws (SIGCONT) the server: a server that
+    /// neither answers nor closes connections.
+    pub fn freeze(&self, on: bool) {
+        let pid = std::fs::read_to_string(self.dir.path().join("mysqld.pid")).unwrap_or_default();
+        let _ = Command::new("kill").args([if on { "-STOP" } else { "-CONT" }, pid.trim()]).status();
+        if !on {
+            // runuser stops itself when its child stops; wake it too.
+            self.wake_runuser();
+        }
+    }
+
+    fn wake_runuser(&self) {
+        if let Some(c) = &self.child {
+            let _ = Command::new("kill").args(["-CONT", &c.id().to_string()]).status();
         }
     }
 
