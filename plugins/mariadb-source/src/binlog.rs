@@ -440,7 +440,11 @@ pub fn rows(event_kind: u8, body: &[u8], map: &TableMap) -> Res<Rows> {
     let mut after = false;
     while !c.is_empty() {
         let bits = if after { &present_after } else { &present };
+        let at = c.pos;
         images.push(image(&mut c, bits, map)?);
+        if c.pos == at {
+            return Err(format!("rows event for {}.{} has an empty row image", map.db, map.table));
+        }
         if kind == RowsKind::Update {
             after = !after;
         }
@@ -473,4 +477,78 @@ fn image(c: &mut Cursor, present: &[u8], map: &TableMap) -> Res<Vec<Option<crate
         out.push(Some(v));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A TABLE_MAP for `shop.items (id INT PRIMARY KEY, n VARCHAR(20), d DECIMAL(10,2))`
+    /// with FULL metadata, and a write-rows event for it.
+    fn samples() -> (Vec<u8>, Vec<u8>) {
+        let mut map = vec![7, 0, 0, 0, 0, 0, 1, 0];
+        map.extend_from_slice(&[4, b's', b'h', b'o', b'p', 0, 5, b'i', b't', b'e', b'm', b's', 0]);
+        map.extend_from_slice(&[3, t::LONG, t::VARCHAR, t::NEWDECIMAL]);
+        map.extend_from_slice(&[4, 20, 0, 10, 2]);
+        map.push(0b110);
+        map.extend_from_slice(&[4, 7, 2, b'i', b'd', 1, b'n', 1, b'd']);
+        map.extend_from_slice(&[8, 1, 0]);
+        let mut rows = vec![7, 0, 0, 0, 0, 0, 1, 0, 3, 0b111, 0];
+        rows.extend_from_slice(&42u32.to_le_bytes());
+        rows.extend_from_slice(&[3, b'a', b'b', b'c']);
+        rows.extend_from_slice(&[0x80, 0x00, 0x04, 0xd2, 0x38]);
+        (map, rows)
+    }
+
+    #[test]
+    fn a_table_map_and_its_rows_decode() {
+        let (map, rows) = samples();
+        let m = table_map(&map).unwrap();
+        assert_eq!((m.db.as_str(), m.table.as_str(), m.table_id), ("shop", "items", 7));
+        let names: Vec<_> = m.columns.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["id", "n", "d"]);
+        assert_eq!(m.primary_key, vec![0]);
+        let r = super::rows(kind::WRITE_ROWS_V1, &rows, &m).unwrap();
+        assert_eq!(
+            r.images,
+            vec![vec![
+                Some(crate::Value::Int(42)),
+                Some(crate::Value::Text("abc".into())),
+                Some(crate::Value::Numeric("1234.56".into()))
+            ]]
+        );
+    }
+
+    /// Mutated, truncated and random inputs give errors, never panics.
+    #[test]
+    fn corrupt_events_are_errors_not_panics() {
+        let (map, rows) = samples();
+        let good = table_map(&map).unwrap();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for i in 0..200_000 {
+            let base = if i % 2 == 0 { &map } else { &rows };
+            let mut b = base.clone();
+            match next() % 4 {
+                0 => b.truncate((next() as usize) % (b.len() + 1)),
+                1 => {
+                    let at = (next() as usize) % b.len();
+                    b[at] = next() as u8;
+                }
+                2 => b.extend((0..next() % 16).map(|_| next() as u8)),
+                _ => b = (0..next() % 64).map(|_| next() as u8).collect(),
+            }
+            let _ = table_map(&b);
+            let _ = super::rows(kind::UPDATE_ROWS_V1, &b, &good);
+            let _ = super::rows(kind::WRITE_ROWS_V2, &b, &good);
+            let _ = query(&b);
+            let _ = split(&b, i % 3 == 0);
+            let _ = crate::ddl::parse(&String::from_utf8_lossy(&b), "db");
+        }
+    }
 }

@@ -24,12 +24,11 @@ struct Known {
 
 impl Tables {
     fn entry(&mut self, t: &TableRef) -> &mut Known {
-        if !self.known.contains_key(t) {
-            self.next_id += 1;
-            let k = Known { id: self.next_id, columns: Vec::new(), primary_key: Vec::new(), declared: None };
-            self.known.insert(t.clone(), k);
-        }
-        self.known.get_mut(t).expect("inserted above")
+        let next_id = &mut self.next_id;
+        self.known.entry(t.clone()).or_insert_with(|| {
+            *next_id += 1;
+            Known { id: *next_id, columns: Vec::new(), primary_key: Vec::new(), declared: None }
+        })
     }
 
     /// Records a table's columns (snapshot, CREATE TABLE).
