@@ -302,6 +302,22 @@ impl Subscribers {
         }
     }
 
+    /// Waits until every subscriber has received at least `rows` inserted rows.
+    async fn wait_for_rows(&self, rows: usize, host: &Host) {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let done = self
+                .seen
+                .iter()
+                .all(|s| s.lock().unwrap().commits.iter().map(|(_, ids)| ids.len()).sum::<usize>() >= rows);
+            if done {
+                return;
+            }
+            assert!(Instant::now() < deadline, "subscribers did not receive {rows} rows; log:\n{}", host.log_tail());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     async fn stop(self) -> Vec<Arc<Mutex<Seen>>> {
         let _ = self.stop.send(true);
         for t in self.tasks {
@@ -309,6 +325,25 @@ impl Subscribers {
         }
         self.seen
     }
+}
+
+/// Checks that each subscriber saw no protocol problem and each of `ids`
+/// exactly once (and nothing else); returns how many transactions each saw.
+fn each_row_exactly_once(seen: &[Arc<Mutex<Seen>>], ids: &[i64]) -> Vec<usize> {
+    let mut txs = Vec::new();
+    for (i, s) in seen.iter().enumerate() {
+        let s = s.lock().unwrap();
+        assert_eq!(s.problems, Vec::<String>::new(), "subscriber {i}");
+        let mut count: BTreeMap<i64, u32> = BTreeMap::new();
+        for id in s.commits.iter().flat_map(|(_, ids)| ids) {
+            *count.entry(*id).or_default() += 1;
+        }
+        let wrong: Vec<_> = count.iter().filter(|(_, n)| **n != 1).collect();
+        assert!(wrong.is_empty(), "subscriber {i}: rows not seen exactly once: {wrong:?}");
+        assert_eq!(count.keys().copied().collect::<Vec<_>>(), ids, "subscriber {i}: exactly the upstream's rows");
+        txs.push(s.commits.len());
+    }
+    txs
 }
 
 /// The kill schedule: SIGKILL after a random 100-700 ms (one time in four
@@ -620,36 +655,10 @@ async fn pg_source_chaos(variant: &str, server: String, restarts: Option<Arc<PgS
         *rv.lock().unwrap() = v;
     }
     // Wait for every upstream row to arrive at both subscribers.
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let done = subs
-            .seen
-            .iter()
-            .all(|s| s.lock().unwrap().commits.iter().map(|(_, ids)| ids.len()).sum::<usize>() >= rows as usize);
-        if done {
-            break;
-        }
-        assert!(Instant::now() < deadline, "subscribers did not receive {rows} rows; log:\n{}", host.log_tail());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    subs.wait_for_rows(rows as usize, &host).await;
     let seen = subs.stop().await;
     host.kill();
-    let mut txs = Vec::new();
-    for (i, s) in seen.iter().enumerate() {
-        let s = s.lock().unwrap();
-        assert_eq!(s.problems, Vec::<String>::new(), "subscriber {i}");
-        let mut count: BTreeMap<i64, u32> = BTreeMap::new();
-        for (_, ids) in &s.commits {
-            for id in ids {
-                *count.entry(*id).or_default() += 1;
-            }
-        }
-        let wrong: Vec<_> = count.iter().filter(|(_, n)| **n != 1).collect();
-        assert!(wrong.is_empty(), "subscriber {i}: rows not seen exactly once: {wrong:?}");
-        assert_eq!(count.len(), rows as usize, "subscriber {i}: every upstream row");
-        assert_eq!(count.keys().copied().collect::<Vec<_>>(), (0..rows as i64).collect::<Vec<_>>());
-        txs.push(s.commits.len());
-    }
+    let txs = each_row_exactly_once(&seen, &(0..rows as i64).collect::<Vec<_>>());
     spec.assert_whole().await;
 
     // Upstream acks never ran ahead of the log: at each kill, every
@@ -771,33 +780,10 @@ async fn chaos_mariadb_source_under_writes() {
     let upstream: Vec<i64> =
         m.sql(&format!("SELECT id FROM {db}.events ORDER BY id")).lines().map(|l| l.parse().unwrap()).collect();
     assert_eq!(upstream, (0..rows as i64).collect::<Vec<_>>(), "the upstream table holds what was written");
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let done = subs
-            .seen
-            .iter()
-            .all(|s| s.lock().unwrap().commits.iter().map(|(_, ids)| ids.len()).sum::<usize>() >= rows as usize);
-        if done {
-            break;
-        }
-        assert!(Instant::now() < deadline, "subscribers did not receive {rows} rows; log:\n{}", host.log_tail());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    subs.wait_for_rows(rows as usize, &host).await;
     let seen = subs.stop().await;
     host.kill();
-    let mut txs = Vec::new();
-    for (i, s) in seen.iter().enumerate() {
-        let s = s.lock().unwrap();
-        assert_eq!(s.problems, Vec::<String>::new(), "subscriber {i}");
-        let mut count: BTreeMap<i64, u32> = BTreeMap::new();
-        for id in s.commits.iter().flat_map(|(_, ids)| ids) {
-            *count.entry(*id).or_default() += 1;
-        }
-        let wrong: Vec<_> = count.iter().filter(|(_, n)| **n != 1).collect();
-        assert!(wrong.is_empty(), "subscriber {i}: rows not seen exactly once: {wrong:?}");
-        assert_eq!(count.keys().copied().collect::<Vec<_>>(), upstream, "subscriber {i}: the table's ids");
-        txs.push(s.commits.len());
-    }
+    let txs = each_row_exactly_once(&seen, &upstream);
     spec.assert_whole().await;
     m.sql(&format!("DROP DATABASE {db}"));
     println!(

@@ -181,17 +181,23 @@ fn zeros_client_follows_the_postgres_source_across_a_kill() {
             .spawn()
             .unwrap()
     };
-    let mut sluice = spawn();
-    let replica_version = wait_for_replica_version(&addr);
-
-    // 1 snapshot + 200 transactions; 250 events in all.
-    let client =
-        ZeroClient::spawn(&[&format!("ws://{addr}/"), replica_version.as_str(), "201", "zero", "events", "250"]);
     let write = |from: i32, to: i32| {
         for id in from..to {
             psql(&url, &format!("INSERT INTO events VALUES ({id}, (1::int8 << 60) + {id})"));
         }
     };
+    follow_events_across_a_kill(&addr, spawn, write);
+}
+
+/// Zero's client follows a database source whose table `events` holds rows
+/// 0..49 at the snapshot: `write(a, b)` commits rows a..b, one transaction
+/// each. 1 snapshot + 200 transactions (250 events) must arrive once, in
+/// order, although Sluice is SIGKILLed and restarted in the middle.
+fn follow_events_across_a_kill(addr: &str, spawn: impl Fn() -> Child, write: impl Fn(i32, i32)) {
+    let mut sluice = spawn();
+    let replica_version = wait_for_replica_version(addr);
+    let client =
+        ZeroClient::spawn(&[&format!("ws://{addr}/"), replica_version.as_str(), "201", "zero", "events", "250"]);
     write(50, 150);
     sluice.kill().unwrap();
     sluice.wait().unwrap();
@@ -319,28 +325,10 @@ fn zeros_client_follows_mariadb_across_a_kill() {
             .spawn()
             .unwrap()
     };
-    let mut sluice = spawn();
-    let replica_version = wait_for_replica_version(&addr);
-
-    // 1 snapshot + 200 transactions; 250 events in all.
-    let client =
-        ZeroClient::spawn(&[&format!("ws://{addr}/"), replica_version.as_str(), "201", "zero", "events", "250"]);
     let write = |from: i32, to: i32| {
         let stmts: Vec<String> =
             (from..to).map(|id| format!("INSERT INTO {db}.events VALUES ({id}, (1 << 60) + {id})")).collect();
         m.sql(&stmts.join(";"));
     };
-    write(50, 150);
-    sluice.kill().unwrap();
-    sluice.wait().unwrap();
-    write(150, 200);
-    let mut sluice = spawn();
-    write(200, 250);
-
-    let (summary, status) = client.finish();
-    sluice.kill().unwrap();
-    sluice.wait().unwrap();
-    assert_eq!(summary["problems"], serde_json::json!([]), "{summary}");
-    assert_eq!(summary["commits"], 201, "{summary}");
-    assert!(status.success(), "{summary}");
+    follow_events_across_a_kill(&addr, spawn, write);
 }

@@ -185,6 +185,10 @@ impl<'a> P<'a> {
         }
         false
     }
+    /// The next token is one of `kws`: consume it.
+    fn any_kw(&mut self, kws: &[&str]) -> bool {
+        kws.iter().any(|k| self.kw(k))
+    }
     fn punct(&mut self, p: char) -> bool {
         if self.peek() == Some(&Tok::Punct(p)) {
             self.at += 1;
@@ -267,16 +271,17 @@ pub fn parse(sql: &str, db: &str) -> Ddl {
                 p.kw("KEY");
                 let _ = p.kw("USING") && p.ident().is_some();
                 primary_key = key_columns(&mut p);
-            } else if p.kw("KEY")
-                || p.kw("INDEX")
-                || p.kw("UNIQUE")
-                || p.kw("CONSTRAINT")
-                || p.kw("FOREIGN")
-                || p.kw("FULLTEXT")
-                || p.kw("SPATIAL")
-                || p.kw("CHECK")
-                || p.kw("PERIOD")
-            {
+            } else if p.any_kw(&[
+                "KEY",
+                "INDEX",
+                "UNIQUE",
+                "CONSTRAINT",
+                "FOREIGN",
+                "FULLTEXT",
+                "SPATIAL",
+                "CHECK",
+                "PERIOD",
+            ]) {
                 p.skip_item();
             } else {
                 match column_def(&mut p) {
@@ -498,17 +503,9 @@ fn column_def(p: &mut P) -> Result<(ColumnDef, bool), String> {
 /// One ALTER TABLE clause. `None`: it does not change what replicas store.
 fn alter_op(p: &mut P) -> Result<Option<AlterOp>, String> {
     if p.kw("ADD") {
-        if p.kw("PRIMARY")
-            || p.kw("KEY")
-            || p.kw("INDEX")
-            || p.kw("UNIQUE")
-            || p.kw("CONSTRAINT")
-            || p.kw("FOREIGN")
-            || p.kw("FULLTEXT")
-            || p.kw("SPATIAL")
-            || p.kw("CHECK")
-            || p.kw("PARTITION")
-        {
+        const NOT_COLUMNS: [&str; 10] =
+            ["PRIMARY", "KEY", "INDEX", "UNIQUE", "CONSTRAINT", "FOREIGN", "FULLTEXT", "SPATIAL", "CHECK", "PARTITION"];
+        if p.any_kw(&NOT_COLUMNS) {
             return Ok(None);
         }
         p.kw("COLUMN");
@@ -520,14 +517,7 @@ fn alter_op(p: &mut P) -> Result<Option<AlterOp>, String> {
         return Ok(Some(AlterOp::Add(def)));
     }
     if p.kw("DROP") {
-        if p.kw("PRIMARY")
-            || p.kw("KEY")
-            || p.kw("INDEX")
-            || p.kw("FOREIGN")
-            || p.kw("CONSTRAINT")
-            || p.kw("CHECK")
-            || p.kw("PARTITION")
-        {
+        if p.any_kw(&["PRIMARY", "KEY", "INDEX", "FOREIGN", "CONSTRAINT", "CHECK", "PARTITION"]) {
             return Ok(None);
         }
         p.kw("COLUMN");
