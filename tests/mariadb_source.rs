@@ -16,7 +16,6 @@ use std::time::Duration;
 
 use common::mariadb::{self, Maria};
 use common::replica::Replica;
-use common::ws::Client;
 use common::*;
 use serde_json::{json, Value};
 use sluice::hub::Hub;
@@ -80,27 +79,12 @@ impl Sluice {
     }
 
     async fn replica_version(&self) -> String {
-        let st = self.status.clone();
-        wait_until("a replica version", WAIT, || {
-            let rv = st.snapshot().replica_version;
-            async move { rv.is_some() }
-        })
-        .await;
-        self.status.snapshot().replica_version.unwrap()
+        common::replica::replica_version(&self.status, WAIT).await
     }
 
     /// A subscriber from the replica version, applying to a [`Replica`].
     async fn subscribe(&self) -> Arc<Mutex<Replica>> {
-        let rv = self.replica_version().await;
-        let replica = Arc::new(Mutex::new(Replica::default()));
-        let mut client = Client::subscribe_at(&self.addr, &rv, &rv).await;
-        let r = replica.clone();
-        tokio::spawn(async move {
-            while let Some(m) = client.next().await {
-                r.lock().unwrap().apply(&m);
-            }
-        });
-        replica
+        common::replica::follow(&self.addr, &self.replica_version().await).await
     }
 
     /// Waits until the upstream required a reset; returns the reason.

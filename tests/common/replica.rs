@@ -8,6 +8,30 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
+/// A subscriber over a WebSocket from `replica_version`, applying what it
+/// receives to a new [`Replica`].
+pub async fn follow(addr: &str, replica_version: &str) -> Arc<Mutex<Replica>> {
+    let replica = Arc::new(Mutex::new(Replica::default()));
+    let mut client = super::ws::Client::subscribe_at(addr, replica_version, replica_version).await;
+    let r = replica.clone();
+    tokio::spawn(async move {
+        while let Some(m) = client.next().await {
+            r.lock().unwrap().apply(&m);
+        }
+    });
+    replica
+}
+
+/// The replica version a host reports, once it has one.
+pub async fn replica_version(status: &sluice::status::Status, wait: Duration) -> String {
+    super::wait_until("a replica version", wait, || {
+        let rv = status.snapshot().replica_version;
+        async move { rv.is_some() }
+    })
+    .await;
+    status.snapshot().replica_version.unwrap_or_default()
+}
+
 pub fn key_of(row: &Value, columns: &[String]) -> String {
     let key: serde_json::Map<String, Value> =
         columns.iter().map(|c| (c.clone(), row.get(c).cloned().unwrap_or(Value::Null))).collect();
