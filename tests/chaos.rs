@@ -124,6 +124,18 @@ impl Host {
         serde_json::from_str(body.split_once("\r\n\r\n")?.1).ok()
     }
 
+    /// The replica version the host reports, once its source has opened.
+    async fn replica_version(&self) -> String {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(v) = self.status().and_then(|s| s["replicaVersion"].as_str().map(str::to_string)) {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "no replica version; log:\n{}", self.log_tail());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The tail of the host's log, for a failure message.
     fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
@@ -557,16 +569,7 @@ async fn pg_source_chaos(variant: &str, server: String, restarts: Option<Arc<PgS
     ];
     let mut host = Host::new(dir.path(), args);
     host.start(&[]);
-    let rv = Arc::new(Mutex::new(String::new()));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(v) = host.status().and_then(|s| s["replicaVersion"].as_str().map(str::to_string)) {
-            *rv.lock().unwrap() = v;
-            break;
-        }
-        assert!(Instant::now() < deadline, "no replica version; log:\n{}", host.log_tail());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let rv = Arc::new(Mutex::new(host.replica_version().await));
     let subs = Subscribers::start(&host.addr, rv.clone(), seed);
     // A witness slot on the same publication, created before the writes:
     // afterwards it lists every streamed transaction's commit LSN.
@@ -735,16 +738,7 @@ async fn chaos_mariadb_source_under_writes() {
     args.extend(["--change-db".into(), format!("sqlite:{}", spec.sqlite.display())]);
     let mut host = Host::new(dir.path(), args);
     host.start(&[]);
-    let rv = Arc::new(Mutex::new(String::new()));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(v) = host.status().and_then(|s| s["replicaVersion"].as_str().map(str::to_string)) {
-            *rv.lock().unwrap() = v;
-            break;
-        }
-        assert!(Instant::now() < deadline, "no replica version; log:\n{}", host.log_tail());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let rv = Arc::new(Mutex::new(host.replica_version().await));
     let subs = Subscribers::start(&host.addr, rv.clone(), seed);
     // One client session fed statement by statement: autocommit, 1-4 rows
     // per transaction. When its input ends, everything sent has committed.

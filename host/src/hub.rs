@@ -97,12 +97,7 @@ impl Hub {
             if sub.is_closed() {
                 continue;
             }
-            let count = {
-                let mut inner = self.lock();
-                inner.forwarder.add(sub.clone());
-                inner.forwarder.len()
-            };
-            self.status.update(|s| s.subscribers = count);
+            self.join_forwarder(self.lock(), &sub);
             self.start_direct_catchup(sub, rv);
         }
     }
@@ -160,15 +155,21 @@ impl Hub {
             }
             StorerSlot::Idle => true,
         };
-        inner.forwarder.add(sub.clone());
-        let count = inner.forwarder.len();
-        drop(inner);
-        self.status.update(|s| s.subscribers = count);
+        self.join_forwarder(inner, &sub);
         if direct {
             // No storer running: everything forwarded is already in the log
             // (or was rolled back), so a snapshot now is consistent.
             self.start_direct_catchup(sub, rv);
         }
+    }
+
+    /// Adds `sub` to the live fan-out (under the caller's lock, so nothing is
+    /// forwarded between its check of the storer and this) and reports the count.
+    fn join_forwarder(&self, mut inner: MutexGuard<'_, Inner>, sub: &Arc<Subscriber>) {
+        inner.forwarder.add(sub.clone());
+        let count = inner.forwarder.len();
+        drop(inner);
+        self.status.update(|s| s.subscribers = count);
     }
 
     pub fn unsubscribe(&self, sub: &Arc<Subscriber>) {

@@ -101,45 +101,9 @@ fn tokenize(sql: &str) -> Vec<Tok> {
                 i += 1;
             }
         } else if c == '`' {
-            let mut s = String::new();
-            i += 1;
-            while i < b.len() {
-                if b[i] == '`' {
-                    if b.get(i + 1) == Some(&'`') {
-                        s.push('`');
-                        i += 2;
-                        continue;
-                    }
-                    break;
-                }
-                s.push(b[i]);
-                i += 1;
-            }
-            i += 1;
-            out.push(Tok::Quoted(s));
+            out.push(Tok::Quoted(quoted(&b, &mut i, false)));
         } else if c == '\'' || c == '"' {
-            let q = c;
-            let mut s = String::new();
-            i += 1;
-            while i < b.len() {
-                if b[i] == '\\' && i + 1 < b.len() {
-                    s.push(b[i + 1]);
-                    i += 2;
-                    continue;
-                }
-                if b[i] == q {
-                    if b.get(i + 1) == Some(&q) {
-                        s.push(q);
-                        i += 2;
-                        continue;
-                    }
-                    break;
-                }
-                s.push(b[i]);
-                i += 1;
-            }
-            i += 1;
-            out.push(Tok::Str(s));
+            out.push(Tok::Str(quoted(&b, &mut i, true)));
         } else if c.is_ascii_digit() {
             let start = i;
             while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == '.') {
@@ -158,6 +122,35 @@ fn tokenize(sql: &str) -> Vec<Tok> {
         }
     }
     out
+}
+
+/// The text between the quote at `b[*i]` and its closing twin (a doubled
+/// quote stands for itself; in strings, a backslash escapes the next
+/// character). Leaves `*i` after the closing quote.
+fn quoted(b: &[char], i: &mut usize, backslash: bool) -> String {
+    let q = b[*i];
+    let mut s = String::new();
+    *i += 1;
+    while *i < b.len() {
+        let c = b[*i];
+        if backslash && c == '\\' && *i + 1 < b.len() {
+            s.push(b[*i + 1]);
+            *i += 2;
+            continue;
+        }
+        if c == q {
+            if b.get(*i + 1) == Some(&q) {
+                s.push(q);
+                *i += 2;
+                continue;
+            }
+            break;
+        }
+        s.push(c);
+        *i += 1;
+    }
+    *i += 1;
+    s
 }
 
 struct P<'a> {

@@ -326,7 +326,7 @@ impl Stream {
             Phase::Replicating(r) => r.next_batch(&self.config, max, &mut out),
             Phase::Done(_) => Ok(()),
         };
-        if out.iter().any(|m| matches!(m, Message::Control(_))) {
+        if matches!(&self.phase, Phase::Replicating(r) if r.ended) {
             let rv = self.replica_version();
             self.phase = Phase::Done(rv);
         }

@@ -40,10 +40,13 @@ pub struct Replication {
     pos: GtidPos,
     /// Events carry CRC32s (known from the format description).
     checksums: bool,
-    /// TABLE_MAPs of captured tables, by table id.
-    maps: HashMap<u64, TableMap>,
+    /// TABLE_MAPs of captured tables, by table id, with the relation their
+    /// rows are sent under.
+    maps: HashMap<u64, (TableMap, u32)>,
     tables: Tables,
     tx: Option<Tx>,
+    /// A reset-required went out: this stream is over.
+    pub ended: bool,
     last_heard: Instant,
     silence_limit: Duration,
 }
@@ -112,6 +115,7 @@ impl Replication {
             maps: HashMap::new(),
             tables,
             tx: None,
+            ended: false,
             last_heard: Instant::now(),
             silence_limit: Duration::from_millis(config.heartbeat_ms.max(10) * 3 + 2000),
         }))
@@ -119,7 +123,7 @@ impl Replication {
 
     pub fn next_batch(&mut self, config: &Config, max: usize, out: &mut Vec<Message>) -> Result<(), PluginError> {
         let started = Instant::now();
-        while out.len() < max && started.elapsed() < BATCH_TIME {
+        while out.len() < max && started.elapsed() < BATCH_TIME && !self.ended {
             let wait = out.is_empty().then_some(WAIT);
             let packet = match self.client.conn.poll_packet(wait) {
                 Ok(Poll::Packet(p)) => p,
@@ -144,7 +148,7 @@ impl Replication {
                 out.truncate(before);
                 return Err(e);
             }
-            if out.iter().any(|m| matches!(m, Message::Control(_))) {
+            if self.ended {
                 break;
             }
         }
@@ -211,10 +215,14 @@ impl Replication {
                             self.endpoint, map.db, map.table
                         )));
                     }
+                    // Declared here, once per TABLE_MAP (again only when the
+                    // columns or key differ), not per rows event.
                     let t = TableRef { db: map.db.clone(), table: map.table.clone() };
-                    let pk = map.primary_key.iter().map(|&i| map.columns[i].name.clone()).collect();
-                    self.tables.observe(&t, &map.columns, pk);
-                    self.maps.insert(map.table_id, map);
+                    let names: Vec<String> = map.columns.iter().map(|c| c.name.clone()).collect();
+                    let pk: Vec<String> = map.primary_key.iter().map(|&i| names[i].clone()).collect();
+                    self.tables.observe(&t, &map.columns, pk.clone());
+                    let relation = self.tables.declare(&t, names, pk, out);
+                    self.maps.insert(map.table_id, (map, relation));
                 } else {
                     self.maps.remove(&map.table_id);
                 }
@@ -226,15 +234,13 @@ impl Replication {
             | kind::UPDATE_ROWS_V2
             | kind::DELETE_ROWS_V2 => {
                 let id = binlog::rows_table_id(body).map_err(bad)?;
-                let Some(map) = self.maps.get(&id) else { return Ok(()) };
+                let Some((map, relation)) = self.maps.get(&id) else { return Ok(()) };
                 let rows = binlog::rows(h.kind, body, map).map_err(bad)?;
-                let t = TableRef { db: map.db.clone(), table: map.table.clone() };
-                let names: Vec<String> = map.columns.iter().map(|c| c.name.clone()).collect();
-                let key: Vec<usize> = map.primary_key.clone();
-                let key_names: Vec<String> = key.iter().map(|&i| names[i].clone()).collect();
+                let relation = *relation;
                 self.begin(out)?;
-                let relation = self.tables.declare(&t, names, key_names, out);
-                convert_rows(relation, rows, &key, out);
+                if let Some((map, _)) = self.maps.get(&id) {
+                    convert_rows(relation, rows, &map.primary_key, out);
+                }
             }
             kind::XID => self.commit(out),
             kind::QUERY => {
@@ -316,6 +322,7 @@ impl Replication {
             out.push(Message::Rollback);
         }
         out.push(Message::Control(Control::ResetRequired(Some(why))));
+        self.ended = true;
     }
 
     fn ddl(&mut self, config: &Config, db: &str, sql: &str, out: &mut Vec<Message>) -> Result<(), PluginError> {

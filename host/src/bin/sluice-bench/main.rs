@@ -141,6 +141,16 @@ fn sluice_binary() -> PathBuf {
     std::env::current_exe().expect("own path").with_file_name("sluice")
 }
 
+/// `GET /status` of a running `sluice` process, as JSON.
+async fn http_status(addr: &str) -> anyhow::Result<serde_json::Value> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET /status HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).await?;
+    Ok(serde_json::from_str(body.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or(""))?)
+}
+
 fn free_addr() -> String {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
     l.local_addr().expect("bound").to_string()

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use sluice::plugin::{Limits, Registry};
 use sluice::source::{ChangeSource, Resume};
 
-use super::{free_addr, peak_rss_mib, sluice_binary, split_frame};
+use super::{free_addr, http_status, peak_rss_mib, sluice_binary, split_frame};
 
 const DB: &str = "sluice_bench_maria";
 const ROWS: u64 = 100_000;
@@ -51,15 +51,6 @@ async fn subscribe(addr: String, rv: String, seen: Arc<Seen>) -> anyhow::Result<
         }
     }
     Ok(())
-}
-
-async fn status(addr: &str) -> anyhow::Result<serde_json::Value> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(format!("GET /status HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).await?;
-    Ok(serde_json::from_str(body.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or(""))?)
 }
 
 fn start_sluice(addr: &str, config: &str, log: &std::path::Path) -> anyhow::Result<std::process::Child> {
@@ -107,7 +98,7 @@ pub async fn run(registry: &Registry, addr_and_socket: (String, String), tmp: &s
     let started = Instant::now();
     let rv = loop {
         anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "sluice did not start");
-        if let Ok(s) = status(&addr).await {
+        if let Ok(s) = http_status(&addr).await {
             if let (Some(rv), Some(_)) = (s["replicaVersion"].as_str(), s["lastWatermark"].as_str()) {
                 break rv.to_string();
             }
@@ -147,7 +138,7 @@ pub async fn run(registry: &Registry, addr_and_socket: (String, String), tmp: &s
     let seen = Arc::new(Seen::default());
     let subscriber = loop {
         anyhow::ensure!(t1.elapsed() < Duration::from_secs(60), "sluice did not restart");
-        if status(&addr).await.is_ok() {
+        if http_status(&addr).await.is_ok() {
             break tokio::spawn(subscribe(addr.clone(), rv.clone(), seen.clone()));
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -157,7 +148,7 @@ pub async fn run(registry: &Registry, addr_and_socket: (String, String), tmp: &s
     let delivered = t1.elapsed().as_secs_f64();
     let last = seen.last_commit.lock().map(|l| l.clone()).unwrap_or_default();
     loop {
-        let stored = status(&addr).await.ok().and_then(|s| s["lastWatermark"].as_str().map(str::to_string));
+        let stored = http_status(&addr).await.ok().and_then(|s| s["lastWatermark"].as_str().map(str::to_string));
         if stored.as_deref() >= Some(last.as_str()) {
             break;
         }

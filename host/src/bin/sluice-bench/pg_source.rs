@@ -58,14 +58,7 @@ async fn subscribe(addr: String, replica_version: String, seen: Arc<Seen>) -> an
 }
 
 async fn replica_version(addr: &str) -> anyhow::Result<Option<String>> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(format!("GET /status HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).await?;
-    let json = body.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-    let v: serde_json::Value = serde_json::from_str(json)?;
-    Ok(v["replicaVersion"].as_str().map(str::to_string))
+    Ok(super::http_status(addr).await?["replicaVersion"].as_str().map(str::to_string))
 }
 
 /// One workload: `txs` transactions of `rows` rows, spread over `clients`
