@@ -2,7 +2,7 @@
 //! no WASI capabilities beyond stderr to the log) and the `change-filter`
 //! resource created from one configuration.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use wasmtime::component::ResourceAny;
 use wasmtime::{Engine, Store};
@@ -20,7 +20,7 @@ pub struct FilterInstance {
     limits: Limits,
     /// Answers of `table-policy`, asked once per table (by schema, then
     /// name, so a lookup allocates nothing).
-    policies: HashMap<String, HashMap<String, TablePolicy>>,
+    policies: FxHashMap<String, FxHashMap<String, TablePolicy>>,
 }
 
 impl FilterInstance {
@@ -49,7 +49,7 @@ impl FilterInstance {
             }
             Err(e) => return Err(format!("filter plugin {name} {}", describe_failure(&e, store.data(), limits))),
         };
-        Ok(FilterInstance { name: name.to_string(), store, plugin, handle, limits, policies: HashMap::new() })
+        Ok(FilterInstance { name: name.to_string(), store, plugin, handle, limits, policies: FxHashMap::default() })
     }
 
     fn failure(&self, e: wasmtime::Error) -> String {

@@ -15,6 +15,7 @@ mod route;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
 pub use instance::FilterInstance;
@@ -123,7 +124,7 @@ pub struct FilterGroup {
     chain: tokio::sync::Mutex<Chain>,
     cache: Mutex<Cache>,
     /// Per table (schema, then name): the chain's verdict for all its rows.
-    tables: RwLock<HashMap<String, HashMap<String, Option<Outcome>>>>,
+    tables: RwLock<FxHashMap<String, FxHashMap<String, Option<Outcome>>>>,
     evaluations: std::sync::atomic::AtomicU64,
     /// A filter failed (see `Chain::failed`).
     broken: std::sync::atomic::AtomicBool,
@@ -389,7 +390,7 @@ impl FilterHost {
             label,
             chain: tokio::sync::Mutex::new(Chain { filters, failed: None }),
             cache: Mutex::new(Cache { map: HashMap::new(), order: VecDeque::new() }),
-            tables: RwLock::new(HashMap::new()),
+            tables: RwLock::new(FxHashMap::default()),
             evaluations: Default::default(),
             broken: Default::default(),
         });

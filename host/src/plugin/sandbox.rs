@@ -46,6 +46,10 @@ pub fn engine() -> anyhow::Result<Engine> {
     let mut config = Config::new();
     config.epoch_interruption(true);
     config.concurrency_support(false);
+    // For profiling plugins: perf names their functions from /tmp/perf-PID.map.
+    if std::env::var_os("SLUICE_WASM_PERFMAP").is_some() {
+        config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+    }
     let engine = Engine::new(&config).map_err(|e| anyhow::anyhow!("creating the wasm engine: {e}"))?;
     start_ticker(&engine);
     Ok(engine)

@@ -24,6 +24,8 @@
 //! known not to have matched. A predicate on a column the change leaves out
 //! (an unchanged TOASTed value) cannot be judged: the change passes as is.
 
+use std::cmp::Ordering;
+
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -69,7 +71,7 @@ enum InOp {
     In,
 }
 
-#[derive(Deserialize, Clone, Copy)]
+#[derive(Deserialize, Clone, Copy, Debug)]
 enum Op {
     #[serde(rename = "=")]
     Eq,
@@ -98,79 +100,179 @@ enum Truth {
     Missing,
 }
 
-fn order(a: &Value, b: &Value) -> Option<std::cmp::Ordering> {
-    match (a, b) {
-        (Value::Number(x), Value::Number(y)) => match (x.as_i64(), y.as_i64()) {
-            (Some(x), Some(y)) => Some(x.cmp(&y)),
-            _ => match (x.as_u64(), y.as_u64()) {
-                (Some(x), Some(y)) => Some(x.cmp(&y)),
-                _ => x.as_f64()?.partial_cmp(&y.as_f64()?),
-            },
-        },
-        (Value::String(x), Value::String(y)) => Some(x.cmp(y)),
-        (Value::Bool(x), Value::Bool(y)) => Some(x.cmp(y)),
+impl Truth {
+    fn of(yes: bool) -> Truth {
+        if yes {
+            Truth::True
+        } else {
+            Truth::False
+        }
+    }
+}
+
+/// A JSON number: integers (anything that fits i128, so every i64 and u64)
+/// compare exactly, anything else as f64.
+#[derive(Clone, Copy, Debug)]
+enum Num {
+    Int(i128),
+    Float(f64),
+}
+
+impl Num {
+    fn parse(raw: &str) -> Option<Num> {
+        // Most values are small integers: read their digits directly.
+        let (negative, digits) = match raw.strip_prefix('-') {
+            Some(d) => (true, d),
+            None => (false, raw),
+        };
+        if !digits.is_empty() && digits.len() <= 18 && digits.bytes().all(|b| b.is_ascii_digit()) {
+            let n = digits.bytes().fold(0i64, |n, b| n * 10 + (b - b'0') as i64);
+            return Some(Num::Int(if negative { -n } else { n } as i128));
+        }
+        if !raw.bytes().any(|b| matches!(b, b'.' | b'e' | b'E')) {
+            if let Ok(i) = raw.parse::<i128>() {
+                return Some(Num::Int(i));
+            }
+        }
+        raw.parse::<f64>().ok().map(Num::Float)
+    }
+
+    fn float(&self) -> f64 {
+        match *self {
+            Num::Int(i) => i as f64,
+            Num::Float(f) => f,
+        }
+    }
+
+    fn cmp(&self, other: &Num) -> Option<Ordering> {
+        match (self, other) {
+            (Num::Int(a), Num::Int(b)) => Some(a.cmp(b)),
+            _ => self.float().partial_cmp(&other.float()),
+        }
+    }
+}
+
+/// A constant of the predicate, parsed once when the filter is created.
+#[derive(Debug)]
+enum Const {
+    Null,
+    Bool(bool),
+    Num(Num),
+    Str(String),
+    /// Arrays and objects: equal to nothing, ordered against nothing.
+    Other,
+}
+
+impl Const {
+    fn from_json(v: &Value) -> Const {
+        match v {
+            Value::Null => Const::Null,
+            Value::Bool(b) => Const::Bool(*b),
+            Value::Number(n) => Num::parse(&n.to_string()).map_or(Const::Other, Const::Num),
+            Value::String(s) => Const::Str(s.clone()),
+            Value::Array(_) | Value::Object(_) => Const::Other,
+        }
+    }
+}
+
+/// How a raw JSON value of a row orders against a constant; `None` when the
+/// two are not comparable (different types, arrays, objects).
+fn order(raw: &str, c: &Const) -> Option<Ordering> {
+    match (raw.as_bytes().first()?, c) {
+        (b'"', Const::Str(s)) => {
+            let body = raw.get(1..raw.len() - 1)?;
+            if scan::has_escape(body) {
+                let text: String = serde_json::from_str(raw).ok()?;
+                Some(text.as_str().cmp(s.as_str()))
+            } else {
+                Some(body.cmp(s.as_str()))
+            }
+        }
+        (b'-' | b'0'..=b'9', Const::Num(n)) => Num::parse(raw)?.cmp(n),
+        (b't', Const::Bool(b)) => Some(true.cmp(b)),
+        (b'f', Const::Bool(b)) => Some(false.cmp(b)),
         _ => None,
     }
 }
 
-impl Expr {
-    fn eval(&self, row: &Map<String, Value>) -> Truth {
+/// The predicate, with columns as indexes into the filter's column list.
+enum Node {
+    And(Vec<Node>),
+    Or(Vec<Node>),
+    Not(Box<Node>),
+    In { column: usize, values: Vec<Const> },
+    Compare { column: usize, op: Op, value: Const },
+}
+
+impl Node {
+    fn compile(e: &Expr, columns: &mut Vec<String>) -> Node {
+        let mut index = |c: &String| match columns.iter().position(|x| x == c) {
+            Some(i) => i,
+            None => {
+                columns.push(c.clone());
+                columns.len() - 1
+            }
+        };
+        match e {
+            Expr::And { and } => Node::And(and.iter().map(|e| Node::compile(e, columns)).collect()),
+            Expr::Or { or } => Node::Or(or.iter().map(|e| Node::compile(e, columns)).collect()),
+            Expr::Not { not } => Node::Not(Box::new(Node::compile(not, columns))),
+            Expr::In { column, values, .. } => {
+                Node::In { column: index(column), values: values.iter().map(Const::from_json).collect() }
+            }
+            Expr::Compare { column, op, value } => {
+                Node::Compare { column: index(column), op: *op, value: Const::from_json(value) }
+            }
+        }
+    }
+
+    /// `row[i]`: the raw value of column `i`, `None` when the row lacks it.
+    fn eval(&self, row: &[Option<&str>]) -> Truth {
         use Truth::*;
         match self {
-            Expr::And { and } => and.iter().fold(True, |acc, e| match (acc, e.eval(row)) {
+            Node::And(list) => list.iter().fold(True, |acc, e| match (acc, e.eval(row)) {
                 (Missing, _) | (_, Missing) => Missing,
                 (False, _) | (_, False) => False,
                 (Null, _) | (_, Null) => Null,
                 _ => True,
             }),
-            Expr::Or { or } => or.iter().fold(False, |acc, e| match (acc, e.eval(row)) {
+            Node::Or(list) => list.iter().fold(False, |acc, e| match (acc, e.eval(row)) {
                 (Missing, _) | (_, Missing) => Missing,
                 (True, _) | (_, True) => True,
                 (Null, _) | (_, Null) => Null,
                 _ => False,
             }),
-            Expr::Not { not } => match not.eval(row) {
+            Node::Not(e) => match e.eval(row) {
                 True => False,
                 False => True,
                 other => other,
             },
-            Expr::In { column, values, .. } => match row.get(column) {
+            Node::In { column, values } => match row.get(*column).copied().flatten() {
                 None => Missing,
-                Some(Value::Null) => Null,
-                Some(v) => {
-                    if values.iter().any(|x| order(v, x) == Some(std::cmp::Ordering::Equal)) {
-                        True
-                    } else {
-                        False
-                    }
-                }
+                Some("null") => Null,
+                Some(v) => Truth::of(values.iter().any(|x| order(v, x) == Some(Ordering::Equal))),
             },
-            Expr::Compare { column, op, value } => {
-                let Some(v) = row.get(column) else { return Missing };
+            Node::Compare { column, op, value } => {
+                let Some(v) = row.get(*column).copied().flatten() else { return Missing };
+                let null = v == "null";
                 match op {
-                    Op::IsNull => return if v.is_null() { True } else { False },
-                    Op::IsNotNull => return if v.is_null() { False } else { True },
+                    Op::IsNull => return Truth::of(null),
+                    Op::IsNotNull => return Truth::of(!null),
                     _ => {}
                 }
-                if v.is_null() || value.is_null() {
+                if null || matches!(value, Const::Null) {
                     return Null;
                 }
                 let Some(o) = order(v, value) else { return False };
-                use std::cmp::Ordering::*;
-                let yes = match op {
-                    Op::Eq => o == Equal,
-                    Op::Ne => o != Equal,
-                    Op::Lt => o == Less,
-                    Op::Le => o != Greater,
-                    Op::Gt => o == Greater,
-                    Op::Ge => o != Less,
+                Truth::of(match op {
+                    Op::Eq => o == Ordering::Equal,
+                    Op::Ne => o != Ordering::Equal,
+                    Op::Lt => o == Ordering::Less,
+                    Op::Le => o != Ordering::Greater,
+                    Op::Gt => o == Ordering::Greater,
+                    Op::Ge => o != Ordering::Less,
                     Op::IsNull | Op::IsNotNull => false,
-                };
-                if yes {
-                    True
-                } else {
-                    False
-                }
+                })
             }
         }
     }
@@ -178,27 +280,19 @@ impl Expr {
 
 pub struct RowFilter {
     table: String,
-    predicate: Expr,
-    /// The columns the predicate reads: only these are parsed from a row.
+    predicate: Node,
+    /// The columns the predicate reads: only these are looked at in a row.
     columns: Vec<String>,
+    reader: scan::RowReader,
 }
 
-impl Expr {
-    fn columns(&self, out: &mut Vec<String>) {
-        match self {
-            Expr::And { and: list } | Expr::Or { or: list } => list.iter().for_each(|e| e.columns(out)),
-            Expr::Not { not } => not.columns(out),
-            Expr::In { column, .. } | Expr::Compare { column, .. } => {
-                if !out.contains(column) {
-                    out.push(column.clone());
-                }
-            }
-        }
-    }
-}
+/// Rows are judged on the raw values of the predicate's columns, found by
+/// walking the row's members once and parsing nothing else; this many
+/// columns fit on the stack.
+const STACK_COLUMNS: usize = 8;
 
-/// Only `columns` of a row object, parsed; `None` for anything else (null,
-/// absent). The rest of the row is skipped by the scanner, never parsed.
+/// Only `columns` of a row object, parsed (for the key of a delete the
+/// filter writes); `None` for anything else (null, absent).
 fn pick(raw: Option<&str>, columns: &[String]) -> Option<Map<String, Value>> {
     let mut out = Map::new();
     for (k, v) in scan::members(raw?)? {
@@ -211,11 +305,35 @@ fn pick(raw: Option<&str>, columns: &[String]) -> Option<Map<String, Value>> {
 }
 
 impl RowFilter {
-    fn test(&self, row: Option<&str>) -> Truth {
-        match pick(row, &self.columns) {
-            Some(r) => self.predicate.eval(&r),
-            None => Truth::Missing,
+    /// Judges the row object the cursor is in, reading only the raw values
+    /// of the predicate's columns and stopping once it has them all.
+    fn judge(&self, row: &mut scan::Cursor<'_>) -> Option<Truth> {
+        let n = self.columns.len();
+        let mut on_stack = [None; STACK_COLUMNS];
+        let mut on_heap = Vec::new();
+        let slots: &mut [Option<&str>] = if n <= STACK_COLUMNS {
+            &mut on_stack[..n]
+        } else {
+            on_heap.resize(n, None);
+            &mut on_heap
+        };
+        let mut found = 0;
+        while let Some(key) = row.key()? {
+            let mut at = self.columns.iter().position(|c| scan::same(c.as_bytes(), key.as_bytes()));
+            if at.is_none() && scan::has_escape(key) {
+                let key = scan::key_text(key)?;
+                at = self.columns.iter().position(|c| *c == *key);
+            }
+            let value = row.value()?;
+            if let Some(i) = at {
+                found += slots[i].is_none() as usize;
+                slots[i] = Some(value);
+                if found == n {
+                    break;
+                }
+            }
         }
+        Some(self.predicate.eval(slots))
     }
 
     /// The key of the row an update leaves the view with: the old key when
@@ -232,24 +350,25 @@ impl RowFilter {
         if !matches!(tag, "insert" | "update" | "delete") {
             return Verdict::Keep;
         }
-        let Some(c) = scan::row_parts(json) else { return Verdict::Keep };
+        let Some(read) = self.reader.read(json, |row| self.judge(row)) else { return Verdict::Keep };
+        // A row that is not an object (or absent) cannot be judged.
+        let (new, old) = (read.new.unwrap_or(Truth::Missing), read.key.unwrap_or(Truth::Missing));
+        let c = read.parts;
         match tag {
-            "insert" => match self.test(c.new) {
+            "insert" => match new {
                 Truth::Missing | Truth::True => Verdict::Keep,
                 _ => Verdict::Drop,
             },
-            "delete" => match self.test(c.key) {
+            "delete" => match old {
                 Truth::False | Truth::Null => Verdict::Drop,
                 _ => Verdict::Keep,
             },
             _ => {
-                let new = self.test(c.new);
                 if new == Truth::Missing {
                     return Verdict::Keep;
                 }
                 // `key` is the old key (or the whole old row under FULL);
                 // null when the key did not change.
-                let old = self.test(c.key);
                 match (new == Truth::True, old) {
                     (true, Truth::False | Truth::Null) => Verdict::Replace(format!(
                         "{{\"tag\":\"insert\",\"relation\":{},\"new\":{}}}",
@@ -278,8 +397,8 @@ impl Filter for RowFilter {
             return Err(format!("table {:?} must have the form schema.table", c.table));
         }
         let mut columns = Vec::new();
-        c.predicate.columns(&mut columns);
-        Ok(RowFilter { table: c.table, predicate: c.predicate, columns })
+        let predicate = Node::compile(&c.predicate, &mut columns);
+        Ok(RowFilter { table: c.table, predicate, columns, reader: Default::default() })
     }
 
     fn policy(&self, schema: &str, table: &str) -> Policy {
@@ -292,5 +411,99 @@ impl Filter for RowFilter {
 
     fn decide(&self, tag: &str, json: &str) -> Verdict {
         self.verdict(tag, json)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filter(predicate: Value) -> RowFilter {
+        let config = serde_json::json!({"table": "public.*", "where": predicate});
+        RowFilter::from_config(&config.to_string()).unwrap()
+    }
+
+    const REL: &str = r#"{"schema":"public","name":"t","rowKey":{"columns":["id"],"type":"default"}}"#;
+
+    fn insert(row: &str) -> String {
+        format!(r#"{{"tag":"insert","relation":{REL},"new":{row}}}"#)
+    }
+
+    fn keeps(f: &RowFilter, row: &str) -> bool {
+        f.decide("insert", &insert(row)) == Verdict::Keep
+    }
+
+    #[test]
+    fn numbers_compare_exactly_as_integers_and_otherwise_as_floats() {
+        let f = filter(serde_json::json!({"column": "n", "op": "<", "value": 9007199254740993u64}));
+        assert!(keeps(&f, r#"{"id":1,"n":9007199254740992}"#), "2^53 < 2^53+1, exactly");
+        assert!(!keeps(&f, r#"{"id":1,"n":9007199254740993}"#));
+        let f = filter(serde_json::json!({"column": "n", "op": ">=", "value": 1.5}));
+        assert!(keeps(&f, r#"{"id":1,"n":2}"#));
+        assert!(keeps(&f, r#"{"id":1,"n":15e-1}"#));
+        assert!(!keeps(&f, r#"{"id":1,"n":-1.25E0}"#));
+        let f = filter(serde_json::json!({"column": "n", "op": "=", "value": -3}));
+        assert!(keeps(&f, r#"{"id":1,"n":-3.0}"#), "integer and float of the same value are equal");
+        assert!(!keeps(&f, r#"{"id":1,"n":"-3"}"#), "a string is not a number");
+        let f = filter(serde_json::json!({"column": "n", "op": ">", "value": 0}));
+        assert!(keeps(&f, r#"{"id":1,"n":18446744073709551615}"#), "u64::MAX > 0");
+        assert!(!keeps(&f, r#"{"id":1,"n":-9223372036854775808}"#));
+    }
+
+    #[test]
+    fn strings_and_keys_are_compared_unescaped() {
+        let f = filter(serde_json::json!({"column": "s\"q", "op": "=", "value": "a\"b\u{e9}"}));
+        assert!(keeps(&f, r#"{"id":1,"s\"q":"a\"b\u00e9"}"#));
+        assert!(keeps(&f, "{\"id\":1,\"s\\\"q\":\"a\\\"b\u{e9}\"}"));
+        assert!(!keeps(&f, r#"{"id":1,"s\"q":"a\"b"}"#));
+        let f = filter(serde_json::json!({"column": "s", "op": "<", "value": "b"}));
+        assert!(keeps(&f, r#"{"id":1,"s":"abc"}"#));
+        assert!(!keeps(&f, r#"{"id":1,"s":"b"}"#));
+    }
+
+    #[test]
+    fn three_valued_logic_and_missing_columns() {
+        let f = filter(serde_json::json!({"not": {"column": "n", "op": "=", "value": 1}}));
+        assert!(!keeps(&f, r#"{"id":1,"n":null}"#), "NOT (NULL = 1) is unknown: not in the view");
+        assert!(keeps(&f, r#"{"id":1,"payload":"x"}"#), "a column the change leaves out cannot be judged");
+        let f = filter(
+            serde_json::json!({"or": [{"column": "n", "op": "is null"}, {"column": "k", "op": "in", "values": ["a", 2, true]}]}),
+        );
+        assert!(keeps(&f, r#"{"id":1,"n":null,"k":"z"}"#));
+        assert!(keeps(&f, r#"{"id":1,"n":1,"k":true}"#));
+        assert!(keeps(&f, r#"{"k":2,"id":1,"n":1}"#), "columns in any order");
+        assert!(!keeps(&f, r#"{"id":1,"n":1,"k":"b"}"#));
+        assert!(!keeps(&f, r#"{"id":1,"n":1,"k":null}"#), "NULL IN (...) is unknown");
+        let f = filter(
+            serde_json::json!({"and": [{"column": "n", "op": ">", "value": 0}, {"column": "n", "op": "!=", "value": 5}]}),
+        );
+        assert!(keeps(&f, r#"{"id":1,"n":4,"o":{"n":5}}"#));
+        assert!(!keeps(&f, r#"{"id":1,"n":5}"#));
+        assert!(!keeps(&f, r#"{"id":1,"n":[1]}"#), "arrays order against nothing");
+    }
+
+    #[test]
+    fn many_columns_and_movement() {
+        let clauses: Vec<Value> =
+            (0..10).map(|i| serde_json::json!({"column": format!("c{i}"), "op": "is not null"})).collect();
+        let f = filter(serde_json::json!({ "and": clauses }));
+        let row = |last: &str| {
+            let cols: Vec<String> = (0..9).map(|i| format!("\"c{i}\":{i}")).collect();
+            format!("{{\"id\":1,{},\"c9\":{last}}}", cols.join(","))
+        };
+        assert!(keeps(&f, &row("9")));
+        assert!(!keeps(&f, &row("null")));
+        // An update whose old key left the view and whose new row is in it.
+        let f = filter(serde_json::json!({"column": "id", "op": "<", "value": 10}));
+        let update = format!(r#"{{"tag":"update","relation":{REL},"key":{{"id":20}},"new":{{"id":5,"x":1}}}}"#);
+        assert_eq!(
+            f.decide("update", &update),
+            Verdict::Replace(format!(r#"{{"tag":"insert","relation":{REL},"new":{{"id":5,"x":1}}}}"#))
+        );
+        let update = format!(r#"{{"tag":"update","relation":{REL},"key":null,"new":{{"id":50,"x":1}}}}"#);
+        assert_eq!(
+            f.decide("update", &update),
+            Verdict::Replace(format!(r#"{{"tag":"delete","relation":{REL},"key":{{"id":50}}}}"#))
+        );
     }
 }
