@@ -208,6 +208,7 @@ async fn pump(
                 };
                 let mut outcomes = outcomes.into_iter();
                 let mut closing = false;
+                let mut out = Vec::with_capacity(frames.len());
                 for frame in frames {
                     let (json, bytes, commit, last) = match frame {
                         Some(Frame::Message { json, commit }) => {
@@ -242,12 +243,18 @@ async fn pump(
                     text.push_str(",\"msg\":");
                     text.push_str(&json);
                     text.push('}');
-                    if let Err(e) = until_closed(sub, tx.feed(Message::Text(Utf8Bytes::from(text)))).await {
-                        return e;
-                    }
+                    out.push(Message::Text(Utf8Bytes::from(text)));
                     in_flight.push_back(InFlight { id: next_id, bytes, commit, last });
                 }
-                if let Err(e) = until_closed(sub, tx.flush()).await {
+                // One guarded write for the whole batch (the guard costs a
+                // watch subscription; per frame it showed in profiles).
+                let write = async {
+                    for message in out {
+                        tx.feed(message).await?;
+                    }
+                    tx.flush().await
+                };
+                if let Err(e) = until_closed(sub, write).await {
                     return e;
                 }
                 if closing {

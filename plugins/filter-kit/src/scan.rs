@@ -91,6 +91,7 @@ pub fn same(a: &[u8], b: &[u8]) -> bool {
 
 /// Whether a raw key or string body has escapes.
 #[inline]
+#[allow(clippy::manual_contains)] // `contains` on bytes is a memchr call: see above.
 pub fn has_escape(raw: &str) -> bool {
     raw.as_bytes().iter().any(|b| *b == b'\\')
 }
