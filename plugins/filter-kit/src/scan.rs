@@ -118,7 +118,7 @@ fn skip_value(b: &[u8], i: usize) -> Option<usize> {
             let mut depth = 0usize;
             let mut j = i;
             while j < b.len() {
-                match *b.get(j)? {
+                match b[j] {
                     b'"' => {
                         j = skip_string(b, j)?;
                         continue;
@@ -204,10 +204,6 @@ impl<'a> Cursor<'a> {
             self.value()?;
         }
         Some(self.i)
-    }
-
-    pub fn text(&self) -> &'a str {
-        self.text
     }
 
     /// Skips the current value and returns its raw text.
@@ -316,6 +312,28 @@ pub struct ReadRow<'a, T> {
     pub new: Option<T>,
 }
 
+/// The members of a row change that [`read_row`] looks at.
+#[derive(Clone, Copy, PartialEq)]
+enum Member {
+    Relation,
+    Key,
+    New,
+    Other,
+}
+
+impl Member {
+    /// Compared by length first: most keys are decided without a byte compare.
+    fn of(raw_key: &str) -> Member {
+        let k = raw_key.as_bytes();
+        match k.len() {
+            3 if same(k, b"key") => Member::Key,
+            3 if same(k, b"new") => Member::New,
+            8 if same(k, b"relation") => Member::Relation,
+            _ => Member::Other,
+        }
+    }
+}
+
 /// Walks a row change once. `relation` may skip the relation object itself
 /// (returning where it ends); `row` is handed a cursor inside each object
 /// value of `key` and `new` and may stop early; the rest of it is skipped.
@@ -328,14 +346,9 @@ fn read_row<'a, T>(
     let mut out = ReadRow { parts: RowParts { relation: "{}", key: None, new: None }, key: None, new: None };
     while let Some(k) = c.key()? {
         let start = c.at();
-        let k = match k.len() {
-            3 if same(k.as_bytes(), b"key") => "key",
-            3 if same(k.as_bytes(), b"new") => "new",
-            8 if same(k.as_bytes(), b"relation") => "relation",
-            _ => "",
-        };
-        match k {
-            "relation" => {
+        let object = json.as_bytes().get(start) == Some(&b'{');
+        match Member::of(k) {
+            Member::Relation => {
                 let end = match relation(&mut c) {
                     Some(end) => end,
                     None => skip_value(json.as_bytes(), start)?,
@@ -343,24 +356,24 @@ fn read_row<'a, T>(
                 c.ended(end)?;
                 out.parts.relation = json.get(start..end)?;
             }
-            "key" | "new" if json.as_bytes()[start] == b'{' => {
+            role @ (Member::Key | Member::New) if object => {
                 let mut inner = Cursor::enter(json, start)?;
                 let seen = row(&mut inner)?;
                 let end = inner.finish()?;
                 c.ended(end)?;
                 let raw = json.get(start..end)?;
-                if k == "key" {
+                if role == Member::Key {
                     (out.parts.key, out.key) = (Some(raw), Some(seen));
                 } else {
                     (out.parts.new, out.new) = (Some(raw), Some(seen));
                 }
             }
-            "key" => {
+            Member::Key => {
                 let v = c.value()?;
                 out.parts.key = (v != "null").then_some(v);
             }
-            "new" => out.parts.new = Some(c.value()?),
-            _ => {
+            Member::New => out.parts.new = Some(c.value()?),
+            Member::Other => {
                 c.value()?;
             }
         }
@@ -426,5 +439,8 @@ mod tests {
         assert!(members("{\"a\":").is_none());
         assert!(members("[1]").is_none());
         assert_eq!(members("{}").unwrap(), vec![]);
+        // Cut short right where a row would start: no part, no panic.
+        assert!(row_parts(r#"{"tag":"insert","relation":{},"new":"#).is_none());
+        assert!(RowReader::default().read(r#"{"tag":"insert","relation":{},"new":"#, |c| c.finish()).is_none());
     }
 }
