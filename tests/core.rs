@@ -437,7 +437,7 @@ async fn bad_plugin_files_are_reported_and_the_rest_load() {
     std::fs::write(plugins.join("good.wasm"), &good).unwrap();
     std::fs::write(plugins.join("garbage.wasm"), b"this is not wasm at all").unwrap();
     std::fs::write(plugins.join("core.wasm"), b"\0asm\x01\0\0\0").unwrap();
-    let newer = replace_all(&good, b"@0.2.0", b"@0.3.0");
+    let newer = replace_all(&good, b"@0.3.0", b"@0.4.0");
     std::fs::write(plugins.join("newer.wasm"), newer).unwrap();
     std::fs::write(plugins.join("ignored.txt"), b"not a plugin").unwrap();
 
@@ -446,11 +446,11 @@ async fn bad_plugin_files_are_reported_and_the_rest_load() {
     let by = |n: &str| infos.iter().find(|i| i.name == n).unwrap_or_else(|| panic!("{n} listed"));
     assert_eq!(infos.len(), 4, "only *.wasm files");
     assert_eq!(by("good").error, None);
-    assert_eq!(by("good").wit_version.as_deref(), Some("0.2.0"));
+    assert_eq!(by("good").wit_version.as_deref(), Some("0.3.0"));
     assert!(by("garbage").error.as_deref().unwrap().contains("not a WebAssembly file"));
     assert!(by("core").error.as_deref().unwrap().contains("core WebAssembly module, not a component"));
     let newer = by("newer").error.as_deref().unwrap();
-    assert!(newer.contains("speaks sluice:plugin@0.3.0, but this host speaks sluice:plugin@0.2.x"), "{newer}");
+    assert!(newer.contains("speaks sluice:plugin@0.4.0, but this host speaks sluice:plugin@0.3.x"), "{newer}");
     assert!(registry.source("garbage", "{}".into(), Limits::default(), Default::default()).await.is_err());
     let err = registry.source("nope", "{}".into(), Limits::default(), Default::default()).await.err().unwrap();
     assert!(err.contains("unknown source \"nope\"") && err.contains("good"), "{err}");
@@ -510,7 +510,7 @@ fn bad_source_config_and_unknown_source_exit_with_a_clear_error() {
     assert!(out.status.success());
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(
-        table.lines().any(|l| l.starts_with("mock-source") && l.contains("source") && l.contains("0.2.0")),
+        table.lines().any(|l| l.starts_with("mock-source") && l.contains("source") && l.contains("0.3.0")),
         "{table}"
     );
 }

@@ -332,6 +332,10 @@ async fn bad_filter_requests_are_refused_before_any_change() {
             "filter plugin row-filter rejected its configuration",
         ),
         ("[{\"plugin\":\"bad-filter\",\"config\":{\"mode\":\"reject\"}}]", "refused on purpose"),
+        (
+            "[{\"plugin\":\"bad-filter\",\"config\":{\"mode\":\"many-columns\"}}]",
+            "filter plugin bad-filter names 1000 row columns, more than the 64",
+        ),
         ("not json", "invalid filters parameter"),
         ("[]", "the list is empty"),
     ] {

@@ -2,6 +2,7 @@
 //! no WASI capabilities beyond stderr to the log) and the `change-filter`
 //! resource created from one configuration.
 
+use filter_kit::scan::ColumnLocator;
 use rustc_hash::FxHashMap;
 
 use wasmtime::component::ResourceAny;
@@ -21,7 +22,13 @@ pub struct FilterInstance {
     /// Answers of `table-policy`, asked once per table (by schema, then
     /// name, so a lookup allocates nothing).
     policies: FxHashMap<String, FxHashMap<String, TablePolicy>>,
+    /// The filter's `row-columns`, found here in each change it is sent.
+    locator: Option<ColumnLocator>,
 }
+
+/// The most `row-columns` a filter may name (each costs 16 bytes per change
+/// sent to it).
+const MAX_ROW_COLUMNS: usize = 64;
 
 impl FilterInstance {
     pub async fn create(
@@ -49,7 +56,29 @@ impl FilterInstance {
             }
             Err(e) => return Err(format!("filter plugin {name} {}", describe_failure(&e, store.data(), limits))),
         };
-        Ok(FilterInstance { name: name.to_string(), store, plugin, handle, limits, policies: FxHashMap::default() })
+        store.data_mut().arm_running_time(limits.call_deadline);
+        let filter = plugin.sluice_plugin_filter().change_filter();
+        let columns = match filter.call_row_columns(&mut store, handle).await {
+            Ok(c) => c,
+            Err(e) => return Err(format!("filter plugin {name} {}", describe_failure(&e, store.data(), limits))),
+        };
+        if let Some(c) = &columns {
+            if c.len() > MAX_ROW_COLUMNS {
+                return Err(format!(
+                    "filter plugin {name} names {} row columns, more than the {MAX_ROW_COLUMNS} the host locates",
+                    c.len()
+                ));
+            }
+        }
+        Ok(FilterInstance {
+            name: name.to_string(),
+            store,
+            plugin,
+            handle,
+            limits,
+            policies: FxHashMap::default(),
+            locator: columns.filter(|c| !c.is_empty()).map(ColumnLocator::new),
+        })
     }
 
     fn failure(&self, e: wasmtime::Error) -> String {
@@ -78,7 +107,14 @@ impl FilterInstance {
             texts.push_str(c);
             ends.push(texts.len() as u32);
         }
-        let batch = Batch { texts, ends };
+        let mut spans = Vec::new();
+        if let Some(locator) = &self.locator {
+            spans.reserve(changes.len() * 4 * locator.columns().len());
+            for c in changes {
+                locator.locate(c, &mut spans);
+            }
+        }
+        let batch = Batch { texts, ends, spans };
         self.store.data_mut().arm_running_time(self.limits.call_deadline);
         let filter = self.plugin.sluice_plugin_filter().change_filter();
         let decisions = match filter.call_apply(&mut self.store, self.handle, &batch).await {

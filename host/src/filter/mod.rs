@@ -140,13 +140,6 @@ impl FilterGroup {
         self.broken.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// What the chain does with every row change of a table, once known:
-    /// keep all, drop all, or `None` (inspect each).
-    fn table_verdict(&self, schema: &str, name: &str) -> Option<Option<Outcome>> {
-        let tables = self.tables.read().ok()?;
-        tables.get(schema).and_then(|t| t.get(name)).cloned()
-    }
-
     /// The outcome of each data message (`["data",{...}]`), in order. An
     /// error names the filter and the cause; the group is then unusable.
     pub async fn apply(self: &Arc<Self>, messages: &[Arc<str>]) -> Result<Vec<Outcome>, String> {
@@ -159,13 +152,25 @@ impl FilterGroup {
         // Row changes of tables the chain decides by table cost a lookup.
         // `known`: the table verdict of each row change, looked up once
         // (`None`: not a row change, or a table not seen yet).
-        let known: Vec<Option<Option<Outcome>>> = messages
-            .iter()
-            .map(|m| match route(inner_object(m)) {
-                Route::Row { schema, name, .. } => self.table_verdict(schema, name),
-                Route::Other => None,
-            })
-            .collect();
+        let routes: Vec<Route<'_>> = messages.iter().map(|m| route(inner_object(m))).collect();
+        let known: Vec<Option<Option<Outcome>>> = {
+            let tables = self.tables.read().map_err(|_| "filter table verdicts poisoned".to_string())?;
+            let mut recent: Recent<Option<Option<Outcome>>> = Recent::default();
+            routes
+                .iter()
+                .map(|r| match *r {
+                    Route::Row { schema, name, .. } => match recent.get(schema, name) {
+                        Some(v) => v.clone(),
+                        None => {
+                            let v = tables.get(schema).and_then(|t| t.get(name)).cloned();
+                            recent.put(schema, name, v.clone());
+                            v
+                        }
+                    },
+                    Route::Other => None,
+                })
+                .collect()
+        };
         let mut out: Vec<Option<Outcome>> = known.iter().map(|v| v.clone().flatten()).collect();
         if out.iter().all(Option::is_some) {
             return Ok(out.into_iter().flatten().collect());
@@ -198,7 +203,7 @@ impl FilterGroup {
             }
         }
         let misses: Vec<usize> = (0..messages.len()).filter(|i| out[*i].is_none()).collect();
-        let evaluated = match evaluate(&mut chain.filters, misses.iter().map(|i| &messages[*i])).await {
+        let evaluated = match evaluate(&mut chain.filters, misses.iter().map(|i| (&messages[*i], &routes[*i]))).await {
             Ok(e) => e,
             Err(e) => {
                 chain.failed = Some(e.clone());
@@ -212,12 +217,14 @@ impl FilterGroup {
             let mut cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
             for (i, outcome) in misses.into_iter().zip(evaluated) {
                 // Outcomes of tables decided as a whole are not worth caching.
-                let cacheable = match (&known[i], route(inner_object(&messages[i]))) {
+                let cacheable = match (&known[i], &routes[i]) {
+                    (Some(verdict), _) => verdict.is_none(),
                     (None, Route::Row { schema, name, .. }) => {
-                        learned.push((schema.to_string(), name.to_string()));
+                        if !learned.iter().any(|(s, n)| s == schema && n == name) {
+                            learned.push((schema.to_string(), name.to_string()));
+                        }
                         true
                     }
-                    (Some(verdict), _) => verdict.is_none(),
                     (None, Route::Other) => true,
                 };
                 if shared && cacheable {
@@ -250,10 +257,42 @@ impl FilterGroup {
     }
 }
 
+/// Answers for the last few tables looked up. Changes come in runs over a
+/// handful of tables, so comparing a few short names beats hashing them.
+struct Recent<'a, V> {
+    entries: Vec<(&'a str, &'a str, V)>,
+    next: usize,
+}
+
+impl<V> Default for Recent<'_, V> {
+    fn default() -> Self {
+        Recent { entries: Vec::new(), next: 0 }
+    }
+}
+
+impl<'a, V> Recent<'a, V> {
+    const SIZE: usize = 4;
+
+    fn get(&self, schema: &str, name: &str) -> Option<&V> {
+        self.entries.iter().find(|(s, n, _)| *n == name && *s == schema).map(|(_, _, v)| v)
+    }
+
+    fn put(&mut self, schema: &'a str, name: &'a str, v: V) {
+        if self.entries.len() < Self::SIZE {
+            self.entries.push((schema, name, v));
+        } else {
+            self.entries[self.next] = (schema, name, v);
+            self.next = (self.next + 1) % Self::SIZE;
+        }
+    }
+}
+
 /// One change on its way through the chain.
 struct Item<'a> {
     /// The message as it arrived.
     original: &'a Arc<str>,
+    /// Its route, read once (for the original, not a replacement).
+    route: Route<'a>,
     /// The inner object a filter replaced it with.
     replaced: Option<String>,
     dropped: bool,
@@ -285,20 +324,32 @@ fn slow_row_table(inner: &str) -> Option<(String, String)> {
 /// changes a filter must inspect are copied across its boundary.
 async fn evaluate<'a>(
     filters: &mut [FilterInstance],
-    messages: impl Iterator<Item = &'a Arc<str>>,
+    messages: impl Iterator<Item = (&'a Arc<str>, &'a Route<'a>)>,
 ) -> Result<Vec<Outcome>, String> {
-    let mut items: Vec<Item<'_>> = messages.map(|m| Item { original: m, replaced: None, dropped: false }).collect();
+    let mut items: Vec<Item<'_>> =
+        messages.map(|(m, r)| Item { original: m, route: *r, replaced: None, dropped: false }).collect();
     for filter in filters.iter_mut() {
-        let mut index = Vec::new();
+        let mut index = Vec::with_capacity(items.len());
+        let mut recent = Recent::default();
         for (i, item) in items.iter_mut().enumerate() {
             if item.dropped {
                 continue;
             }
-            let policy = match route(item.inner()) {
-                Route::Row { schema, name, .. } => Some(filter.policy(schema, name).await?),
-                Route::Other => match slow_row_table(item.inner()) {
-                    Some((schema, name)) => Some(filter.policy(&schema, &name).await?),
-                    None => None,
+            let policy = match (&item.replaced, item.route) {
+                (None, Route::Row { schema, name, .. }) => match recent.get(schema, name) {
+                    Some(p) => Some(*p),
+                    None => {
+                        let p = filter.policy(schema, name).await?;
+                        recent.put(schema, name, p);
+                        Some(p)
+                    }
+                },
+                _ => match route(item.inner()) {
+                    Route::Row { schema, name, .. } => Some(filter.policy(schema, name).await?),
+                    Route::Other => match slow_row_table(item.inner()) {
+                        Some((schema, name)) => Some(filter.policy(&schema, &name).await?),
+                        None => None,
+                    },
                 },
             };
             match policy {

@@ -4,6 +4,7 @@
 //! byte for byte, so the fast path covers every row change; anything else
 //! (schema changes, truncate, names with escapes) goes to the filter.
 
+#[derive(Clone, Copy)]
 pub enum Route<'a> {
     /// An insert, update or delete of `schema.name`.
     Row {

@@ -17,4 +17,4 @@ pub use wasm_source::WasmSource;
 
 /// The WIT package version this host speaks.
 pub const WIT_PACKAGE: &str = "sluice:plugin";
-pub const WIT_VERSION: (u64, u64) = (0, 2);
+pub const WIT_VERSION: (u64, u64) = (0, 3);

@@ -41,7 +41,7 @@ pub struct PluginInfo {
     pub name: String,
     pub file: PathBuf,
     pub kind: Option<PluginKind>,
-    /// The `sluice:plugin` version the plugin exports, e.g. "0.2.0".
+    /// The `sluice:plugin` version the plugin exports, e.g. "0.3.0".
     pub wit_version: Option<String>,
     /// Why the plugin could not be loaded.
     pub error: Option<String>,
@@ -311,10 +311,10 @@ mod tests {
 
     #[test]
     fn versions() {
-        assert!(compatible("0.2.0"));
-        assert!(compatible("0.2.7"));
-        assert!(!compatible("0.1.0"));
-        assert!(!compatible("0.3.0"));
+        assert!(compatible("0.3.0"));
+        assert!(compatible("0.3.7"));
+        assert!(!compatible("0.2.0"));
+        assert!(!compatible("0.4.0"));
         assert!(!compatible("1.0.0"));
         assert!(!compatible("x"));
     }

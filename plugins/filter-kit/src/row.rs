@@ -120,16 +120,23 @@ enum Num {
 
 impl Num {
     fn parse(raw: &str) -> Option<Num> {
-        // Most values are small integers: read their digits directly.
-        let (negative, digits) = match raw.strip_prefix('-') {
-            Some(d) => (true, d),
-            None => (false, raw),
-        };
-        if !digits.is_empty() && digits.len() <= 18 && digits.bytes().all(|b| b.is_ascii_digit()) {
-            let n = digits.bytes().fold(0i64, |n, b| n * 10 + (b - b'0') as i64);
-            return Some(Num::Int(if negative { -n } else { n } as i128));
+        // Most values are small integers: their digits are read directly
+        // (a plain loop: iterator chains cost several times more in a plugin).
+        let b = raw.as_bytes();
+        let negative = b.first() == Some(&b'-');
+        let digits = &b[negative as usize..];
+        if !digits.is_empty() && digits.len() <= 18 {
+            let mut n = 0i64;
+            let mut i = 0;
+            while i < digits.len() && digits[i].is_ascii_digit() {
+                n = n * 10 + (digits[i] - b'0') as i64;
+                i += 1;
+            }
+            if i == digits.len() {
+                return Some(Num::Int(if negative { -n } else { n } as i128));
+            }
         }
-        if !raw.bytes().any(|b| matches!(b, b'.' | b'e' | b'E')) {
+        if !b.iter().any(|b| matches!(b, b'.' | b'e' | b'E')) {
             if let Ok(i) = raw.parse::<i128>() {
                 return Some(Num::Int(i));
             }
@@ -226,34 +233,35 @@ impl Node {
         }
     }
 
-    /// `row[i]`: the raw value of column `i`, `None` when the row lacks it.
-    fn eval(&self, row: &[Option<&str>]) -> Truth {
+    /// `row` has a span pair per column of the filter's list (see
+    /// [`scan::spanned`]); a column without one is missing from the row.
+    fn eval(&self, json: &str, row: &[u32]) -> Truth {
         use Truth::*;
         match self {
-            Node::And(list) => list.iter().fold(True, |acc, e| match (acc, e.eval(row)) {
+            Node::And(list) => list.iter().fold(True, |acc, e| match (acc, e.eval(json, row)) {
                 (Missing, _) | (_, Missing) => Missing,
                 (False, _) | (_, False) => False,
                 (Null, _) | (_, Null) => Null,
                 _ => True,
             }),
-            Node::Or(list) => list.iter().fold(False, |acc, e| match (acc, e.eval(row)) {
+            Node::Or(list) => list.iter().fold(False, |acc, e| match (acc, e.eval(json, row)) {
                 (Missing, _) | (_, Missing) => Missing,
                 (True, _) | (_, True) => True,
                 (Null, _) | (_, Null) => Null,
                 _ => False,
             }),
-            Node::Not(e) => match e.eval(row) {
+            Node::Not(e) => match e.eval(json, row) {
                 True => False,
                 False => True,
                 other => other,
             },
-            Node::In { column, values } => match row.get(*column).copied().flatten() {
+            Node::In { column, values } => match scan::spanned(json, row, *column) {
                 None => Missing,
                 Some("null") => Null,
                 Some(v) => Truth::of(values.iter().any(|x| order(v, x) == Some(Ordering::Equal))),
             },
             Node::Compare { column, op, value } => {
-                let Some(v) = row.get(*column).copied().flatten() else { return Missing };
+                let Some(v) = scan::spanned(json, row, *column) else { return Missing };
                 let null = v == "null";
                 match op {
                     Op::IsNull => return Truth::of(null),
@@ -281,15 +289,10 @@ impl Node {
 pub struct RowFilter {
     table: String,
     predicate: Node,
-    /// The columns the predicate reads: only these are looked at in a row.
-    columns: Vec<String>,
-    reader: scan::RowReader,
+    /// The columns the predicate reads (the filter's `row-columns`): the
+    /// host finds their values, natively.
+    locator: scan::ColumnLocator,
 }
-
-/// Rows are judged on the raw values of the predicate's columns, found by
-/// walking the row's members once and parsing nothing else; this many
-/// columns fit on the stack.
-const STACK_COLUMNS: usize = 8;
 
 /// Only `columns` of a row object, parsed (for the key of a delete the
 /// filter writes); `None` for anything else (null, absent).
@@ -305,37 +308,6 @@ fn pick(raw: Option<&str>, columns: &[String]) -> Option<Map<String, Value>> {
 }
 
 impl RowFilter {
-    /// Judges the row object the cursor is in, reading only the raw values
-    /// of the predicate's columns and stopping once it has them all.
-    fn judge(&self, row: &mut scan::Cursor<'_>) -> Option<Truth> {
-        let n = self.columns.len();
-        let mut on_stack = [None; STACK_COLUMNS];
-        let mut on_heap = Vec::new();
-        let slots: &mut [Option<&str>] = if n <= STACK_COLUMNS {
-            &mut on_stack[..n]
-        } else {
-            on_heap.resize(n, None);
-            &mut on_heap
-        };
-        let mut found = 0;
-        while let Some(key) = row.key()? {
-            let mut at = self.columns.iter().position(|c| scan::same(c.as_bytes(), key.as_bytes()));
-            if at.is_none() && scan::has_escape(key) {
-                let key = scan::key_text(key)?;
-                at = self.columns.iter().position(|c| *c == *key);
-            }
-            let value = row.value()?;
-            if let Some(i) = at {
-                found += slots[i].is_none() as usize;
-                slots[i] = Some(value);
-                if found == n {
-                    break;
-                }
-            }
-        }
-        Some(self.predicate.eval(slots))
-    }
-
     /// The key of the row an update leaves the view with: the old key when
     /// it changed, else the key columns of the new row.
     fn key_of(&self, change: &scan::RowParts<'_>) -> String {
@@ -346,29 +318,35 @@ impl RowFilter {
 
     /// The host sends only row changes of tables whose policy is `inspect`
     /// (this filter's table), plus truncates and schema changes, which pass.
-    fn verdict(&self, tag: &str, json: &str) -> Verdict {
+    /// `spans`: where the predicate's columns are in the change (four
+    /// numbers per column, [`scan::ColumnLocator`]'s layout).
+    fn verdict(&self, tag: &str, json: &str, spans: &[u32]) -> Verdict {
         if !matches!(tag, "insert" | "update" | "delete") {
             return Verdict::Keep;
         }
-        let Some(read) = self.reader.read(json, |row| self.judge(row)) else { return Verdict::Keep };
-        // A row that is not an object (or absent) cannot be judged.
-        let (new, old) = (read.new.unwrap_or(Truth::Missing), read.key.unwrap_or(Truth::Missing));
-        let c = read.parts;
+        // A row the change lacks (or that is not an object) has no spans:
+        // every column is missing and it cannot be judged.
+        let k = self.locator.columns().len();
+        let new = || self.predicate.eval(json, spans.get(..2 * k).unwrap_or(&[]));
+        let old = || self.predicate.eval(json, spans.get(2 * k..4 * k).unwrap_or(&[]));
         match tag {
-            "insert" => match new {
+            "insert" => match new() {
                 Truth::Missing | Truth::True => Verdict::Keep,
                 _ => Verdict::Drop,
             },
-            "delete" => match old {
+            "delete" => match old() {
                 Truth::False | Truth::Null => Verdict::Drop,
                 _ => Verdict::Keep,
             },
             _ => {
+                let (new, old) = (new(), old());
                 if new == Truth::Missing {
                     return Verdict::Keep;
                 }
                 // `key` is the old key (or the whole old row under FULL);
                 // null when the key did not change.
+                // The replacements are rare: the change is read again for them.
+                let Some(c) = scan::row_parts(json) else { return Verdict::Keep };
                 match (new == Truth::True, old) {
                     (true, Truth::False | Truth::Null) => Verdict::Replace(format!(
                         "{{\"tag\":\"insert\",\"relation\":{},\"new\":{}}}",
@@ -398,7 +376,7 @@ impl Filter for RowFilter {
         }
         let mut columns = Vec::new();
         let predicate = Node::compile(&c.predicate, &mut columns);
-        Ok(RowFilter { table: c.table, predicate, columns, reader: Default::default() })
+        Ok(RowFilter { table: c.table, predicate, locator: scan::ColumnLocator::new(columns) })
     }
 
     fn policy(&self, schema: &str, table: &str) -> Policy {
@@ -409,8 +387,19 @@ impl Filter for RowFilter {
         }
     }
 
+    /// Natively, the host's part and the plugin's part in one.
     fn decide(&self, tag: &str, json: &str) -> Verdict {
-        self.verdict(tag, json)
+        let mut spans = Vec::new();
+        self.locator.locate(json, &mut spans);
+        self.verdict(tag, json, &spans)
+    }
+
+    fn row_columns(&self) -> Option<Vec<String>> {
+        Some(self.locator.columns().to_vec())
+    }
+
+    fn decide_located(&self, tag: &str, json: &str, spans: &[u32]) -> Verdict {
+        self.verdict(tag, json, spans)
     }
 }
 

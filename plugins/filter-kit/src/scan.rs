@@ -50,6 +50,29 @@ fn quote_or_backslash(b: &[u8], mut i: usize) -> Option<usize> {
             i += 16;
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SSE2 is part of x86_64: the host's locator skips strings 16 bytes
+        // at a time too.
+        use std::arch::x86_64::{
+            __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
+        };
+        while i + 16 <= b.len() {
+            // SAFETY: the 16 bytes at `i` are inside `b` (checked above);
+            // `loadu` needs no alignment; SSE2 is always present on x86_64.
+            let hits = unsafe {
+                let v = _mm_loadu_si128(b.as_ptr().add(i) as *const __m128i);
+                _mm_movemask_epi8(_mm_or_si128(
+                    _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8)),
+                    _mm_cmpeq_epi8(v, _mm_set1_epi8(b'\\' as i8)),
+                ))
+            };
+            if hits != 0 {
+                return Some(i + hits.trailing_zeros() as usize);
+            }
+            i += 16;
+        }
+    }
     while i + 8 <= b.len() {
         let w = word(b, i);
         let hits = bytes_equal(w, b'"') | bytes_equal(w, b'\\');
@@ -301,7 +324,7 @@ pub struct RowParts<'a> {
 }
 
 pub fn row_parts(json: &str) -> Option<RowParts<'_>> {
-    Some(read_row(json, |_| None, |c| c.finish())?.parts)
+    Some(read_row(json, |_| None, |c, _| c.finish())?.parts)
 }
 
 /// A row change read in one pass: its parts, and what the caller's row
@@ -336,11 +359,12 @@ impl Member {
 
 /// Walks a row change once. `relation` may skip the relation object itself
 /// (returning where it ends); `row` is handed a cursor inside each object
-/// value of `key` and `new` and may stop early; the rest of it is skipped.
+/// value of `key` and `new` (and whether it is `new`) and may stop early;
+/// the rest of it is skipped.
 fn read_row<'a, T>(
     json: &'a str,
     mut relation: impl FnMut(&mut Cursor<'a>) -> Option<usize>,
-    mut row: impl FnMut(&mut Cursor<'a>) -> Option<T>,
+    mut row: impl FnMut(&mut Cursor<'a>, bool) -> Option<T>,
 ) -> Option<ReadRow<'a, T>> {
     let mut c = Cursor::enter(json, 0)?;
     let mut out = ReadRow { parts: RowParts { relation: "{}", key: None, new: None }, key: None, new: None };
@@ -358,7 +382,7 @@ fn read_row<'a, T>(
             }
             role @ (Member::Key | Member::New) if object => {
                 let mut inner = Cursor::enter(json, start)?;
-                let seen = row(&mut inner)?;
+                let seen = row(&mut inner, role == Member::New)?;
                 let end = inner.finish()?;
                 c.ended(end)?;
                 let raw = json.get(start..end)?;
@@ -386,38 +410,216 @@ fn read_row<'a, T>(
 ///
 /// A row change is mostly its `relation` object and its row, and the relation
 /// is the same text for every change of a table. The reader remembers the
-/// last relation text; a relation with those bytes is skipped with one
-/// comparison instead of being walked. (Only an object is self-delimiting by
-/// its bytes: `12` is a prefix of `123`, `{..}` of nothing longer.)
+/// relation texts of the last few tables; a relation with the bytes of one of
+/// them is skipped with a comparison instead of being walked. (Only an object
+/// is self-delimiting by its bytes: `12` is a prefix of `123`, `{..}` of
+/// nothing longer.)
 #[derive(Default)]
 pub struct RowReader {
-    relation: std::cell::RefCell<String>,
+    relations: std::cell::RefCell<Vec<Vec<u8>>>,
 }
 
-impl RowReader {
-    pub fn read<'a, T>(&self, json: &'a str, row: impl FnMut(&mut Cursor<'a>) -> Option<T>) -> Option<ReadRow<'a, T>> {
-        read_row(
-            json,
-            |c| {
-                let (start, b) = (c.at(), json.as_bytes());
-                if b.get(start) != Some(&b'{') {
-                    return None;
-                }
-                let mut known = self.relation.borrow_mut();
-                if !known.is_empty()
-                    && b.len() - start >= known.len()
-                    && same(&b[start..start + known.len()], known.as_bytes())
-                {
-                    return Some(start + known.len());
-                }
-                let end = skip_value(b, start)?;
-                known.clear();
-                known.push_str(json.get(start..end)?);
-                Some(end)
-            },
-            row,
-        )
+/// The index of the quote that ends the short string whose body starts at
+/// `i`; `None` if it has an escape (keys and tags are short: a byte loop).
+#[inline(always)]
+fn plain_key_end(b: &[u8], mut i: usize) -> Option<usize> {
+    loop {
+        match *b.get(i)? {
+            b'"' => return Some(i),
+            b'\\' => return None,
+            _ => i += 1,
+        }
     }
+}
+
+/// At `"key":` (compact, unescaped): the key's bytes and where its value starts.
+#[inline(always)]
+fn compact_key(b: &[u8], i: usize) -> Option<(&[u8], usize)> {
+    if *b.get(i)? != b'"' {
+        return None;
+    }
+    let end = plain_key_end(b, i + 1)?;
+    (*b.get(end + 1)? == b':').then(|| (&b[i + 1..end], end + 2))
+}
+
+/// How many relation texts a [`RowReader`] remembers (transactions that
+/// touch a few tables in turn skip them all).
+const RELATIONS: usize = 8;
+
+impl RowReader {
+    pub fn read<'a, T>(
+        &self,
+        json: &'a str,
+        row: impl FnMut(&mut Cursor<'a>, bool) -> Option<T>,
+    ) -> Option<ReadRow<'a, T>> {
+        read_row(json, |c| self.skip_relation(json.as_bytes(), c.at()), row)
+    }
+
+    /// The index after the relation object starting at `start`: one of the
+    /// remembered texts, or walked and remembered.
+    fn skip_relation(&self, b: &[u8], start: usize) -> Option<usize> {
+        if b.get(start) != Some(&b'{') {
+            return None;
+        }
+        let rest = &b[start..];
+        let mut known = self.relations.borrow_mut();
+        if let Some(r) = known.iter().find(|r| rest.len() >= r.len() && same(&rest[..r.len()], r)) {
+            return Some(start + r.len());
+        }
+        let end = skip_value(b, start)?;
+        if known.len() == RELATIONS {
+            known.remove(0);
+        }
+        known.push(b[start..end].to_vec());
+        Some(end)
+    }
+}
+
+/// Finds where the values of a few columns are in row changes: what the host
+/// passes a filter that names `row-columns` (`batch.spans` in the WIT), so
+/// the plugin reads those values without walking the JSON itself.
+///
+/// For each change, four numbers per column: for each column in order, the
+/// start and end byte offsets of its raw value in the `new` row, then the same
+/// in the `key` (old key or old row); `0, 0` where the change has no such row
+/// or the row lacks the column (a value never starts at offset 0: the change
+/// does, with `{`). Changes that are not row changes, and text the scanner
+/// cannot read, get zeros only.
+pub struct ColumnLocator {
+    columns: Vec<String>,
+    reader: RowReader,
+}
+
+impl ColumnLocator {
+    pub fn new(columns: Vec<String>) -> Self {
+        ColumnLocator { columns, reader: RowReader::default() }
+    }
+
+    pub fn columns(&self) -> &[String] {
+        &self.columns
+    }
+
+    /// Appends the spans of `json` (a change object) to `out`.
+    pub fn locate(&self, json: &str, out: &mut Vec<u32>) {
+        let k = self.columns.len();
+        let base = out.len();
+        out.resize(base + 4 * k, 0);
+        if k == 0 {
+            return;
+        }
+        let spans = &mut out[base..];
+        if self.locate_compact(json.as_bytes(), spans).is_none() {
+            spans.fill(0);
+            self.locate_general(json, spans);
+        }
+    }
+
+    /// The fast path, for text as the host's encoder writes it: no white
+    /// space and no escapes in keys. `None` on anything else (the general
+    /// path then reads it).
+    fn locate_compact(&self, b: &[u8], spans: &mut [u32]) -> Option<()> {
+        let k = self.columns.len();
+        if b.len() < 8 || !same(&b[..8], b"{\"tag\":\"") {
+            return None;
+        }
+        let tag_end = plain_key_end(b, 8)?;
+        if !matches!(&b[8..tag_end], b"insert" | b"update" | b"delete") {
+            return Some(());
+        }
+        let mut i = tag_end + 1;
+        loop {
+            match *b.get(i)? {
+                b',' => i += 1,
+                b'}' => return Some(()),
+                _ => return None,
+            }
+            let (key, value) = compact_key(b, i)?;
+            i = match key {
+                b"relation" => self.reader.skip_relation(b, value)?,
+                b"new" | b"key" if b.get(value) == Some(&b'{') => {
+                    let half = if key == b"new" { 0 } else { 2 * k };
+                    self.walk_row(b, value, &mut spans[half..half + 2 * k])?
+                }
+                _ => skip_value(b, value)?,
+            };
+        }
+    }
+
+    /// Records the spans of a compact row object starting at `i`; returns
+    /// the index after it.
+    fn walk_row(&self, b: &[u8], mut i: usize, spans: &mut [u32]) -> Option<usize> {
+        i += 1;
+        if *b.get(i)? == b'}' {
+            return Some(i + 1);
+        }
+        loop {
+            let (key, value) = compact_key(b, i)?;
+            let end = skip_value(b, value)?;
+            if let Some(c) = self.columns.iter().position(|c| c.as_bytes() == key) {
+                if spans[2 * c + 1] == 0 {
+                    spans[2 * c] = value as u32;
+                    spans[2 * c + 1] = end as u32;
+                }
+            }
+            i = end + 1;
+            match *b.get(end)? {
+                b',' => {}
+                b'}' => return Some(i),
+                _ => return None,
+            }
+        }
+    }
+
+    /// Any JSON text: white space, escaped keys, members in any order.
+    fn locate_general(&self, json: &str, spans: &mut [u32]) {
+        let k = self.columns.len();
+        if !matches!(crate::tag_of(json), "insert" | "update" | "delete") {
+            return;
+        }
+        let read = self.reader.read(json, |row, new| {
+            let half = if new { 0 } else { 2 * k };
+            let mut found = 0;
+            while let Some(key) = row.key()? {
+                let start = row.at();
+                let value = row.value()?;
+                let Some(i) = self.index_of(key) else { continue };
+                let slot = half + 2 * i;
+                if spans[slot + 1] == 0 {
+                    spans[slot] = start as u32;
+                    spans[slot + 1] = (start + value.len()) as u32;
+                    found += 1;
+                    if found == k {
+                        break;
+                    }
+                }
+            }
+            Some(())
+        });
+        if read.is_none() {
+            spans.fill(0);
+        }
+    }
+
+    #[inline(always)]
+    fn index_of(&self, raw_key: &str) -> Option<usize> {
+        let at = self.columns.iter().position(|c| same(c.as_bytes(), raw_key.as_bytes()));
+        if at.is_some() || !has_escape(raw_key) {
+            return at;
+        }
+        let key = key_text(raw_key)?;
+        self.columns.iter().position(|c| *c == *key)
+    }
+}
+
+/// The raw value a span pair points at (`spans[2 * i]`, `spans[2 * i + 1]`),
+/// or `None` for `0, 0` and for pairs outside the text.
+#[inline(always)]
+pub fn spanned<'a>(json: &'a str, spans: &[u32], i: usize) -> Option<&'a str> {
+    let (start, end) = (*spans.get(2 * i)? as usize, *spans.get(2 * i + 1)? as usize);
+    if end == 0 {
+        return None;
+    }
+    json.get(start..end)
 }
 
 #[cfg(test)]
@@ -441,6 +643,64 @@ mod tests {
         assert_eq!(members("{}").unwrap(), vec![]);
         // Cut short right where a row would start: no part, no panic.
         assert!(row_parts(r#"{"tag":"insert","relation":{},"new":"#).is_none());
-        assert!(RowReader::default().read(r#"{"tag":"insert","relation":{},"new":"#, |c| c.finish()).is_none());
+        assert!(RowReader::default().read(r#"{"tag":"insert","relation":{},"new":"#, |c, _| c.finish()).is_none());
+    }
+
+    #[test]
+    fn the_locator_finds_values_in_new_and_old_rows() {
+        let loc = ColumnLocator::new(vec!["n".into(), "a\"b".into(), "gone".into()]);
+        let t = r#"{"tag":"update","relation":{"schema":"p","name":"t"},"key":{"n":1,"x":[1,{"n":9}]},"new":{"s":"n\"","a\"b":"q","n":-2.5e1}}"#;
+        let mut spans = vec![7];
+        loc.locate(t, &mut spans);
+        assert_eq!(spans.len(), 1 + 12, "four numbers per column, appended");
+        let s = &spans[1..];
+        let (new, old) = (&s[..6], &s[6..]);
+        assert_eq!(spanned(t, new, 0), Some("-2.5e1"));
+        assert_eq!(spanned(t, new, 1), Some("\"q\""), "a key with an escape matches its text");
+        assert_eq!(spanned(t, new, 2), None);
+        assert_eq!(spanned(t, old, 0), Some("1"), "a nested member of the same name is not the column");
+        assert_eq!(spanned(t, old, 1), None);
+        // Not a row change, a null key, malformed text: zeros.
+        for other in [r#"{"tag":"truncate","relations":[]}"#, r#"{"tag":"insert","relation":{},"new":{"n":"#] {
+            let mut spans = Vec::new();
+            loc.locate(other, &mut spans);
+            assert_eq!(spans, vec![0; 12], "{other}");
+        }
+        let mut spans = Vec::new();
+        loc.locate(r#"{"tag":"update","relation":{},"key":null,"new":{"n":3}}"#, &mut spans);
+        assert_eq!((spans[0], spans[1], spans[6], spans[7]), (52, 53, 0, 0));
+    }
+
+    #[test]
+    fn the_fast_and_the_general_locator_agree() {
+        let loc = ColumnLocator::new(vec!["n".into(), "s".into()]);
+        let rel = |t: &str| format!(r#"{{"schema":"p","name":"{t}","rowKey":{{"columns":["n"]}}}}"#);
+        let changes = [
+            format!(r#"{{"tag":"insert","relation":{},"new":{{"n":1,"s":"a\"b","x":{{"n":2}}}}}}"#, rel("a")),
+            format!(r#"{{"tag":"delete","relation":{},"key":{{"s":null,"n":-1}}}}"#, rel("b")),
+            // The same relation texts again (remembered), in turn.
+            format!(r#"{{"tag":"update","relation":{},"key":{{"n":5}},"new":{{"s":"z","n":6}}}}"#, rel("a")),
+            format!(r#"{{"tag":"insert","relation":{},"new":{{}}}}"#, rel("b")),
+            format!(r#"{{"tag":"insert","relation":{},"new":{{"n":1,"n":2}}}}"#, rel("a")),
+            format!(r#"{{"tag":"insert","relation":{},"new":null}}"#, rel("a")),
+            r#"{"tag":"create-table","spec":{"n":1}}"#.to_string(),
+        ];
+        for change in &changes {
+            let mut fast = Vec::new();
+            loc.locate(change, &mut fast);
+            let mut general = vec![0; 8];
+            loc.locate_general(change, &mut general);
+            assert_eq!(fast, general, "{change}");
+            // White space takes the general path, to the same values.
+            let spaced = change.replacen(r#""new":"#, r#""new" : "#, 1).replacen(r#""key":"#, r#""key" :"#, 1);
+            let mut slow = Vec::new();
+            loc.locate(&spaced, &mut slow);
+            let values = |t: &str, s: &[u32]| (0..4).map(|i| spanned(t, s, i).map(str::to_string)).collect::<Vec<_>>();
+            assert_eq!(values(change, &fast), values(&spaced, &slow), "{spaced}");
+        }
+        let mut spans = Vec::new();
+        loc.locate(&changes[0], &mut spans);
+        assert_eq!(spanned(&changes[0], &spans, 1), Some("\"a\\\"b\""));
+        assert_eq!(spanned(&changes[0], &spans, 0), Some("1"), "the first member named n, not a nested one");
     }
 }

@@ -2,8 +2,9 @@
 //! that only the subscriptions using it are closed.
 //!
 //! Config: `{"mode": "trap" | "hang" | "oom" | "wrong-count" | "not-json" |
-//! "reject", "after": N}`: keeps the first N changes it sees, then
-//! misbehaves (`reject` refuses the configuration at create).
+//! "reject" | "many-columns", "after": N}`: keeps the first N changes it
+//! sees, then misbehaves (`reject` refuses the configuration at create,
+//! `many-columns` names more `row-columns` than the host accepts).
 
 use std::cell::Cell;
 
@@ -44,6 +45,10 @@ impl Guest for Component {
 impl GuestChangeFilter for Bad {
     fn table_policy(&self, _schema: String, _name: String) -> TablePolicy {
         TablePolicy::Inspect
+    }
+
+    fn row_columns(&self) -> Option<Vec<String>> {
+        (self.mode == "many-columns").then(|| (0..1000).map(|i| format!("c{i}")).collect())
     }
 
     fn apply(&self, batch: Batch) -> Vec<Decision> {
