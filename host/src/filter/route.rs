@@ -25,11 +25,19 @@ fn plain_string(s: &str) -> Option<(&str, &str)> {
 
 pub fn route(inner: &str) -> Route<'_> {
     let row = || -> Option<Route<'_>> {
-        let (tag, rest) = plain_string(inner.strip_prefix("{\"tag\":\"")?)?;
+        // Row tags by word comparison (`filter_kit::tag_of`), then the
+        // relation's names where the encoder puts them.
+        let tag = filter_kit::tag_of(inner);
         if !matches!(tag, "insert" | "update" | "delete") {
             return None;
         }
-        let (schema, rest) = plain_string(rest.strip_prefix(",\"relation\":{\"schema\":\"")?)?;
+        const RELATION: &[u8] = b"\",\"relation\":{\"schema\":\"";
+        let at = 8 + tag.len();
+        let rest = inner.get(at..)?;
+        if !rest.as_bytes().starts_with(RELATION) {
+            return None;
+        }
+        let (schema, rest) = plain_string(&rest[RELATION.len()..])?;
         let (name, _) = plain_string(rest.strip_prefix(",\"name\":\"")?)?;
         Some(Route::Row { tag, schema, name })
     };
