@@ -140,6 +140,13 @@ impl Server {
             Command::new("chown").args(["mysql", dir.path().to_str().unwrap()]).status().unwrap();
         }
         let data = dir.path().join("data");
+        // Its own temporary directory: servers bootstrapping side by side in
+        // one shared /tmp have collided on temporary table files.
+        let tmp = dir.path().join("tmp");
+        std::fs::create_dir(&tmp).unwrap();
+        if root {
+            Command::new("chown").args(["mysql", tmp.to_str().unwrap()]).status().unwrap();
+        }
         let user = if root {
             "mysql".to_string()
         } else {
@@ -147,6 +154,7 @@ impl Server {
         };
         let out = as_mysql("mariadb-install-db")
             .args(["--no-defaults", &format!("--datadir={}", data.display()), &format!("--user={user}")])
+            .arg(format!("--tmpdir={}", tmp.display()))
             .args(["--auth-root-authentication-method=socket", "--skip-test-db"])
             .output()
             .unwrap();
@@ -156,6 +164,7 @@ impl Server {
         let mut args = vec![
             "--no-defaults".to_string(),
             format!("--datadir={}", data.display()),
+            format!("--tmpdir={}", tmp.display()),
             format!("--socket={socket}"),
             format!("--pid-file={}", dir.path().join("mysqld.pid").display()),
             format!("--log-error={}", dir.path().join("server.log").display()),
