@@ -556,10 +556,7 @@ impl ColumnLocator {
             let (key, value) = compact_key(b, i)?;
             let end = skip_value(b, value)?;
             if let Some(c) = self.columns.iter().position(|c| c.as_bytes() == key) {
-                if spans[2 * c + 1] == 0 {
-                    spans[2 * c] = value as u32;
-                    spans[2 * c + 1] = end as u32;
-                }
+                record(spans, c, value, end);
             }
             i = end + 1;
             match *b.get(end)? {
@@ -583,10 +580,7 @@ impl ColumnLocator {
                 let start = row.at();
                 let value = row.value()?;
                 let Some(i) = self.index_of(key) else { continue };
-                let slot = half + 2 * i;
-                if spans[slot + 1] == 0 {
-                    spans[slot] = start as u32;
-                    spans[slot + 1] = (start + value.len()) as u32;
+                if record(&mut spans[half..], i, start, start + value.len()) {
                     found += 1;
                     if found == k {
                         break;
@@ -609,6 +603,18 @@ impl ColumnLocator {
         let key = key_text(raw_key)?;
         self.columns.iter().position(|c| *c == *key)
     }
+}
+
+/// Records where column `i`'s value is, unless the row named it before (the
+/// first member of a name counts); whether it did.
+#[inline(always)]
+fn record(spans: &mut [u32], i: usize, start: usize, end: usize) -> bool {
+    if spans[2 * i + 1] != 0 {
+        return false;
+    }
+    spans[2 * i] = start as u32;
+    spans[2 * i + 1] = end as u32;
+    true
 }
 
 /// The raw value a span pair points at (`spans[2 * i]`, `spans[2 * i + 1]`),
