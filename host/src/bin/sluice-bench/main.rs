@@ -584,45 +584,54 @@ fn sqlite_ceiling(tmp: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What Postgres itself allows: the same 100 B rows inserted by psql, 2000
-/// rows per INSERT, 10 INSERTs per commit.
+/// What Postgres itself allows: the same 100 B rows loaded by psql, 20,000
+/// per commit, once as INSERTs of 2,000 rows and once as a COPY (what the
+/// change log uses, in its binary form).
 fn pg_ceiling(tmp: &Path, url: &str) -> anyhow::Result<()> {
     use std::fmt::Write as _;
-    let file = tmp.join("ceiling.sql");
-    let mut sql = String::from(
-        "DROP TABLE IF EXISTS ceiling; CREATE TABLE ceiling (watermark TEXT, pos INT8, change JSON NOT NULL, precommit TEXT, PRIMARY KEY (watermark, pos));\n",
-    );
     let payload: String = std::iter::repeat_n('x', 100).collect();
-    let (statements, rows_per) = (100usize, 2000usize);
-    for st in 0..statements {
-        if st % 10 == 0 {
-            sql.push_str("BEGIN;\n");
-        }
-        sql.push_str("INSERT INTO ceiling VALUES ");
-        for r in 0..rows_per {
-            let n = st * rows_per + r;
-            if r > 0 {
-                sql.push(',');
+    let (commits, rows_per_commit) = (10usize, 20_000usize);
+    let row = |n: usize| {
+        let watermark = sluice::watermark::to_lexi(n as u128 / 10 + 1);
+        let change = format!(
+            "{{\"tag\":\"insert\",\"relation\":{{\"schema\":\"public\",\"name\":\"table0\"}},\"new\":{{\"id\":{n},\"payload\":\"{payload}\"}}}}"
+        );
+        (watermark, n % 10, change)
+    };
+    let create = "DROP TABLE IF EXISTS ceiling; CREATE TABLE ceiling (watermark TEXT, pos INT8, change JSON NOT NULL, precommit TEXT, PRIMARY KEY (watermark, pos));\n";
+    let mut inserts = String::from(create);
+    let mut copies = String::from(create);
+    for c in 0..commits {
+        inserts.push_str("BEGIN;\n");
+        copies.push_str("BEGIN;\nCOPY ceiling FROM STDIN;\n");
+        for r in 0..rows_per_commit {
+            let n = c * rows_per_commit + r;
+            let (watermark, pos, change) = row(n);
+            if r % 2000 == 0 {
+                inserts.push_str("INSERT INTO ceiling VALUES ");
+            } else {
+                inserts.push(',');
             }
-            let _ = write!(
-                sql,
-                "('{}',{},'{{\"tag\":\"insert\",\"relation\":{{\"schema\":\"public\",\"name\":\"table0\"}},\"new\":{{\"id\":{n},\"payload\":\"{payload}\"}}}}',NULL)",
-                sluice::watermark::to_lexi(n as u128 / 10 + 1),
-                n % 10
-            );
+            let _ = write!(inserts, "('{watermark}',{pos},'{change}',NULL)");
+            if r % 2000 == 1999 {
+                inserts.push_str(";\n");
+            }
+            // Text COPY: tab-separated, \N for null (the rows have no tabs or backslashes).
+            let _ = writeln!(copies, "{watermark}\t{pos}\t{change}\t\\N");
         }
-        sql.push_str(";\n");
-        if st % 10 == 9 {
-            sql.push_str("COMMIT;\n");
-        }
+        inserts.push_str("COMMIT;\n");
+        copies.push_str("\\.\nCOMMIT;\n");
     }
-    std::fs::write(&file, sql)?;
-    let t0 = Instant::now();
-    let out =
-        std::process::Command::new("psql").args(["-q", "-v", "ON_ERROR_STOP=1", url, "-f"]).arg(&file).output()?;
-    let secs = t0.elapsed().as_secs_f64();
-    anyhow::ensure!(out.status.success(), "psql failed: {}", String::from_utf8_lossy(&out.stderr));
-    let rows = statements * rows_per;
-    println!("ceiling: psql inserts {rows} rows of the same shape in {secs:.2} s: {:.0} rows/s", rows as f64 / secs);
+    let rows = commits * rows_per_commit;
+    for (how, sql) in [("inserts", inserts), ("copies", copies)] {
+        let file = tmp.join(format!("ceiling-{how}.sql"));
+        std::fs::write(&file, sql)?;
+        let t0 = Instant::now();
+        let out =
+            std::process::Command::new("psql").args(["-q", "-v", "ON_ERROR_STOP=1", url, "-f"]).arg(&file).output()?;
+        let secs = t0.elapsed().as_secs_f64();
+        anyhow::ensure!(out.status.success(), "psql failed: {}", String::from_utf8_lossy(&out.stderr));
+        println!("ceiling: psql {how} {rows} rows of the same shape in {secs:.2} s: {:.0} rows/s", rows as f64 / secs);
+    }
     Ok(())
 }
