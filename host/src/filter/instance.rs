@@ -24,6 +24,15 @@ pub struct FilterInstance {
     policies: FxHashMap<String, FxHashMap<String, TablePolicy>>,
     /// The filter's `row-columns`, found here in each change it is sent.
     locator: Option<ColumnLocator>,
+    /// The last batch sent, its buffers reused for the next.
+    batch: Batch,
+}
+
+/// Batch buffers larger than this are freed after the call.
+const KEPT_BATCH_BYTES: usize = 1 << 20;
+
+fn empty_batch() -> Batch {
+    Batch { texts: String::new(), ends: Vec::new(), spans: Vec::new() }
 }
 
 /// The most `row-columns` a filter may name (each costs 16 bytes per change
@@ -78,6 +87,7 @@ impl FilterInstance {
             limits,
             policies: FxHashMap::default(),
             locator: columns.filter(|c| !c.is_empty()).map(ColumnLocator::new),
+            batch: empty_batch(),
         })
     }
 
@@ -101,23 +111,31 @@ impl FilterInstance {
 
     /// Decisions for change objects (JSON texts), one per change.
     pub async fn apply(&mut self, changes: &[&str]) -> Result<Vec<Decision>, String> {
-        let mut texts = String::with_capacity(changes.iter().map(|c| c.len()).sum());
-        let mut ends = Vec::with_capacity(changes.len());
+        // The batch's buffers are kept between calls (this runs for every
+        // batch a subscriber is sent), and let go when a batch was large.
+        let batch = &mut self.batch;
+        batch.texts.clear();
+        batch.ends.clear();
+        batch.spans.clear();
+        batch.texts.reserve(changes.iter().map(|c| c.len()).sum());
+        batch.ends.reserve(changes.len());
         for c in changes {
-            texts.push_str(c);
-            ends.push(texts.len() as u32);
+            batch.texts.push_str(c);
+            batch.ends.push(batch.texts.len() as u32);
         }
-        let mut spans = Vec::new();
         if let Some(locator) = &self.locator {
-            spans.reserve(changes.len() * 4 * locator.columns().len());
+            batch.spans.reserve(changes.len() * 4 * locator.columns().len());
             for c in changes {
-                locator.locate(c, &mut spans);
+                locator.locate(c, &mut batch.spans);
             }
         }
-        let batch = Batch { texts, ends, spans };
         self.store.data_mut().arm_running_time(self.limits.call_deadline);
         let filter = self.plugin.sluice_plugin_filter().change_filter();
-        let decisions = match filter.call_apply(&mut self.store, self.handle, &batch).await {
+        let called = filter.call_apply(&mut self.store, self.handle, &self.batch).await;
+        if self.batch.texts.capacity() > KEPT_BATCH_BYTES {
+            self.batch = empty_batch();
+        }
+        let decisions = match called {
             Ok(d) => d,
             Err(e) => return Err(self.failure(e)),
         };

@@ -111,6 +111,17 @@ fn key(text: &str) -> u64 {
     h
 }
 
+/// What a chain does with the row changes of one table, learned from its
+/// filters' table policies.
+#[derive(Clone, Copy)]
+enum TableVerdict {
+    /// Every filter decides by table: each row change is kept, or dropped.
+    Decided(bool),
+    /// The filters before `first` keep every row; filter `first` inspects
+    /// each one (and the filters after it are asked as usual).
+    Inspect { first: usize },
+}
+
 struct Chain {
     filters: Vec<FilterInstance>,
     /// Set once a filter failed; the group serves no one after that.
@@ -123,8 +134,8 @@ pub struct FilterGroup {
     pub label: String,
     chain: tokio::sync::Mutex<Chain>,
     cache: Mutex<Cache>,
-    /// Per table (schema, then name): the chain's verdict for all its rows.
-    tables: RwLock<FxHashMap<String, FxHashMap<String, Option<Outcome>>>>,
+    /// Per table (schema, then name): what the chain does with its rows.
+    tables: RwLock<FxHashMap<String, FxHashMap<String, TableVerdict>>>,
     evaluations: std::sync::atomic::AtomicU64,
     /// A filter failed (see `Chain::failed`).
     broken: std::sync::atomic::AtomicBool,
@@ -149,35 +160,47 @@ impl FilterGroup {
             let chain = self.chain.lock().await;
             return Err(chain.failed.clone().unwrap_or_else(|| "the filter failed".into()));
         }
-        // Row changes of tables the chain decides by table cost a lookup.
-        // `known`: the table verdict of each row change, looked up once
-        // (`None`: not a row change, or a table not seen yet).
-        let routes: Vec<Route<'_>> = messages.iter().map(|m| route(inner_object(m))).collect();
-        let known: Vec<Option<Option<Outcome>>> = {
+        // One pass over the messages: each one's route and, for row
+        // changes, its table's verdict (`None`: not a row change, or a
+        // table not seen yet). Row changes of tables the chain decides by
+        // table cost a lookup.
+        let n = messages.len();
+        let mut routes: Vec<Route<'_>> = Vec::with_capacity(n);
+        let mut verdicts: Vec<Option<TableVerdict>> = Vec::with_capacity(n);
+        let mut out: Vec<Option<Outcome>> = Vec::with_capacity(n);
+        {
             let tables = self.tables.read().map_err(|_| "filter table verdicts poisoned".to_string())?;
-            let mut recent: Recent<Option<Option<Outcome>>> = Recent::default();
-            routes
-                .iter()
-                .map(|r| match *r {
+            let mut recent: Recent<Option<TableVerdict>> = Recent::default();
+            for m in messages {
+                let r = route(inner_object(m));
+                let verdict = match r {
                     Route::Row { schema, name, .. } => match recent.get(schema, name) {
-                        Some(v) => v.clone(),
+                        Some(v) => *v,
                         None => {
-                            let v = tables.get(schema).and_then(|t| t.get(name)).cloned();
-                            recent.put(schema, name, v.clone());
+                            let v = tables.get(schema).and_then(|t| t.get(name)).copied();
+                            recent.put(schema, name, v);
                             v
                         }
                     },
                     Route::Other => None,
-                })
-                .collect()
-        };
-        let mut out: Vec<Option<Outcome>> = known.iter().map(|v| v.clone().flatten()).collect();
+                };
+                out.push(match verdict {
+                    Some(TableVerdict::Decided(keep)) => Some(if keep { Outcome::Keep } else { Outcome::Drop }),
+                    _ => None,
+                });
+                routes.push(r);
+                verdicts.push(verdict);
+            }
+        }
         if out.iter().all(Option::is_some) {
             return Ok(out.into_iter().flatten().collect());
         }
-        // Hashed once, for both lookups and the insert.
-        let keys: Vec<u64> =
-            out.iter().zip(messages).map(|(o, m)| if o.is_none() && shared { key(m) } else { 0 }).collect();
+        // Hashed once, for both lookups and the insert (when shared).
+        let keys: Vec<u64> = if shared {
+            out.iter().zip(messages).map(|(o, m)| if o.is_none() { key(m) } else { 0 }).collect()
+        } else {
+            Vec::new()
+        };
         if shared {
             let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
             for ((o, m), k) in out.iter_mut().zip(messages).zip(&keys) {
@@ -203,7 +226,8 @@ impl FilterGroup {
             }
         }
         let misses: Vec<usize> = (0..messages.len()).filter(|i| out[*i].is_none()).collect();
-        let evaluated = match evaluate(&mut chain.filters, misses.iter().map(|i| (&messages[*i], &routes[*i]))).await {
+        let items = misses.iter().map(|i| Item::new(&messages[*i], routes[*i], verdicts[*i]));
+        let evaluated = match evaluate(&mut chain.filters, items).await {
             Ok(e) => e,
             Err(e) => {
                 chain.failed = Some(e.clone());
@@ -216,18 +240,14 @@ impl FilterGroup {
         {
             let mut cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
             for (i, outcome) in misses.into_iter().zip(evaluated) {
-                // Outcomes of tables decided as a whole are not worth caching.
-                let cacheable = match (&known[i], &routes[i]) {
-                    (Some(verdict), _) => verdict.is_none(),
-                    (None, Route::Row { schema, name, .. }) => {
-                        if !learned.iter().any(|(s, n)| s == schema && n == name) {
-                            learned.push((schema.to_string(), name.to_string()));
-                        }
-                        true
+                // Row changes of a table not seen yet: its verdict is
+                // learned below. (Tables decided as a whole never get here.)
+                if let (None, Route::Row { schema, name, .. }) = (&verdicts[i], &routes[i]) {
+                    if !learned.iter().any(|(s, n)| s == schema && n == name) {
+                        learned.push((schema.to_string(), name.to_string()));
                     }
-                    (None, Route::Other) => true,
-                };
-                if shared && cacheable {
+                }
+                if shared {
                     cache.put(keys[i], &messages[i], outcome.clone());
                 }
                 out[i] = Some(outcome);
@@ -235,16 +255,16 @@ impl FilterGroup {
         }
         // The policies of these tables are known now (no plugin call).
         for (schema, name) in learned {
-            let mut verdict = Some(Outcome::Keep);
-            for filter in chain.filters.iter_mut() {
+            let mut verdict = TableVerdict::Decided(true);
+            for (f, filter) in chain.filters.iter_mut().enumerate() {
                 match filter.policy(&schema, &name).await? {
                     TablePolicy::KeepAll => {}
                     TablePolicy::DropAll => {
-                        verdict = Some(Outcome::Drop);
+                        verdict = TableVerdict::Decided(false);
                         break;
                     }
                     TablePolicy::Inspect => {
-                        verdict = None;
+                        verdict = TableVerdict::Inspect { first: f };
                         break;
                     }
                 }
@@ -274,7 +294,12 @@ impl<'a, V> Recent<'a, V> {
     const SIZE: usize = 4;
 
     fn get(&self, schema: &str, name: &str) -> Option<&V> {
-        self.entries.iter().find(|(s, n, _)| *n == name && *s == schema).map(|(_, _, v)| v)
+        // `same`: short names compare inline, not through a `memcmp` call.
+        let same = filter_kit::scan::same;
+        self.entries
+            .iter()
+            .find(|(s, n, _)| same(n.as_bytes(), name.as_bytes()) && same(s.as_bytes(), schema.as_bytes()))
+            .map(|(_, _, v)| v)
     }
 
     fn put(&mut self, schema: &'a str, name: &'a str, v: V) {
@@ -293,12 +318,18 @@ struct Item<'a> {
     original: &'a Arc<str>,
     /// Its route, read once (for the original, not a replacement).
     route: Route<'a>,
+    /// Its table's verdict, if the chain has seen the table before.
+    verdict: Option<TableVerdict>,
     /// The inner object a filter replaced it with.
     replaced: Option<String>,
     dropped: bool,
 }
 
-impl Item<'_> {
+impl<'a> Item<'a> {
+    fn new(original: &'a Arc<str>, route: Route<'a>, verdict: Option<TableVerdict>) -> Self {
+        Item { original, route, verdict, replaced: None, dropped: false }
+    }
+
     fn inner(&self) -> &str {
         self.replaced.as_deref().unwrap_or_else(|| inner_object(self.original))
     }
@@ -324,16 +355,26 @@ fn slow_row_table(inner: &str) -> Option<(String, String)> {
 /// changes a filter must inspect are copied across its boundary.
 async fn evaluate<'a>(
     filters: &mut [FilterInstance],
-    messages: impl Iterator<Item = (&'a Arc<str>, &'a Route<'a>)>,
+    items: impl Iterator<Item = Item<'a>>,
 ) -> Result<Vec<Outcome>, String> {
-    let mut items: Vec<Item<'_>> =
-        messages.map(|(m, r)| Item { original: m, route: *r, replaced: None, dropped: false }).collect();
-    for filter in filters.iter_mut() {
+    let mut items: Vec<Item<'_>> = items.collect();
+    for (f, filter) in filters.iter_mut().enumerate() {
         let mut index = Vec::with_capacity(items.len());
         let mut recent = Recent::default();
         for (i, item) in items.iter_mut().enumerate() {
             if item.dropped {
                 continue;
+            }
+            // The table's verdict answers for the filters up to the first
+            // that inspects its rows, without asking them.
+            if let (None, Some(TableVerdict::Inspect { first })) = (&item.replaced, item.verdict) {
+                if f < first {
+                    continue;
+                }
+                if f == first {
+                    index.push(i);
+                    continue;
+                }
             }
             let policy = match (&item.replaced, item.route) {
                 (None, Route::Row { schema, name, .. }) => match recent.get(schema, name) {

@@ -17,10 +17,8 @@ pub enum Route<'a> {
 
 /// A JSON string's contents up to its closing quote, if it has no escapes.
 fn plain_string(s: &str) -> Option<(&str, &str)> {
-    // Names are short: a byte loop (a `find` with a char set decodes UTF-8
-    // and costs several times as much; this runs for every filtered change).
-    let end = s.bytes().position(|b| b == b'"' || b == b'\\')?;
-    (s.as_bytes()[end] == b'"').then(|| (&s[..end], &s[end + 1..]))
+    let end = filter_kit::scan::plain_string_end(s.as_bytes(), 0)?;
+    Some((s.get(..end)?, s.get(end + 1..)?))
 }
 
 pub fn route(inner: &str) -> Route<'_> {
@@ -34,7 +32,7 @@ pub fn route(inner: &str) -> Route<'_> {
         const RELATION: &[u8] = b"\",\"relation\":{\"schema\":\"";
         let at = 8 + tag.len();
         let rest = inner.get(at..)?;
-        if !rest.as_bytes().starts_with(RELATION) {
+        if rest.len() < RELATION.len() || !filter_kit::scan::same(&rest.as_bytes()[..RELATION.len()], RELATION) {
             return None;
         }
         let (schema, rest) = plain_string(&rest[RELATION.len()..])?;

@@ -82,7 +82,9 @@ macro_rules! export_filter {
             }
             fn apply(&self, batch: Batch) -> Vec<Decision> {
                 let per_change = 4 * self.1;
-                $crate::split(&batch.texts, &batch.ends)
+                // Sized up front: a collected `map_while` would grow step by step.
+                let mut decisions = Vec::with_capacity(batch.ends.len());
+                decisions.extend($crate::split(&batch.texts, &batch.ends)
                     .enumerate()
                     .map(|(i, json)| {
                         let tag = $crate::tag_of(json);
@@ -97,8 +99,8 @@ macro_rules! export_filter {
                             $crate::Verdict::Drop => Decision::Drop,
                             $crate::Verdict::Replace(text) => Decision::Replace(text),
                         }
-                    })
-                    .collect()
+                    }));
+                decisions
             }
         }
 

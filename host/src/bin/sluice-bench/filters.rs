@@ -101,13 +101,40 @@ fn native_ns(name: &str, config: &str, messages: &[Arc<str>]) -> anyhow::Result<
     Ok(best)
 }
 
+/// Narrowing for profiling one case (callgrind, perf): `SLUICE_BENCH_FILTER`
+/// (one filter), `SLUICE_BENCH_BATCH` (one batch size, no "apply alone"),
+/// `SLUICE_BENCH_ROUNDS` (rounds per figure, default 5).
+struct Only {
+    filter: Option<String>,
+    batch: Option<usize>,
+    rounds: usize,
+}
+
+impl Only {
+    fn from_env() -> Self {
+        let var = |name: &str| std::env::var(name).ok();
+        Only {
+            filter: var("SLUICE_BENCH_FILTER"),
+            batch: var("SLUICE_BENCH_BATCH").and_then(|b| b.parse().ok()),
+            rounds: var("SLUICE_BENCH_ROUNDS").and_then(|r| r.parse().ok()).unwrap_or(5),
+        }
+    }
+}
+
 pub async fn per_change(tmp: &std::path::Path) -> anyhow::Result<()> {
+    let only = Only::from_env();
     let registry = Arc::new(Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?);
     let host = FilterHost::new(Some(registry.clone()), Limits::default());
     for (name, config) in configs() {
+        if only.filter.as_deref().is_some_and(|f| f != name) {
+            continue;
+        }
         let native = native_ns(name, &config.to_string(), &messages()?)?;
         let mut line = format!("{name:<13} native {native:>6.0} ns/change; plugin");
         for batch in [1usize, 64, 1024] {
+            if only.batch.is_some_and(|b| b != batch) {
+                continue;
+            }
             let specs = vec![FilterSpec { plugin: name.to_string(), config: config.clone() }];
             let group = host.group(&specs).await.map_err(anyhow::Error::msg)?;
             // Best of five rounds over the same texts: one subscriber holds
@@ -116,7 +143,7 @@ pub async fn per_change(tmp: &std::path::Path) -> anyhow::Result<()> {
             let messages = messages()?;
             let mut ns = f64::MAX;
             let mut kept = 0;
-            for _ in 0..5 {
+            for _ in 0..only.rounds {
                 let t0 = Instant::now();
                 kept = 0;
                 for chunk in messages.chunks(batch) {
@@ -132,7 +159,7 @@ pub async fn per_change(tmp: &std::path::Path) -> anyhow::Result<()> {
         // The plugin call alone (batch 1024, every change inspected, best of
         // 20 rounds): what the boundary and the guest cost without the host.
         // (table-filter decides rows by table: the host never sends it rows.)
-        if name == "table-filter" {
+        if name == "table-filter" || only.batch.is_some() {
             println!("{line}");
             continue;
         }
