@@ -61,38 +61,39 @@ pub enum Outcome {
 /// many subscribers and the same change replayed from the log to a
 /// catching-up one find the same entry. A lookup hashes the text once and
 /// compares it only on a hash match (most often the same shared pointer).
+/// One entry per hash: a colliding text replaces the older entry, which only
+/// costs that change a second evaluation.
 struct Cache {
-    map: HashMap<u64, Vec<(Arc<str>, Outcome)>>,
+    map: FxHashMap<u64, (Arc<str>, Outcome)>,
+    /// Hashes in the order they went in, to let the oldest go.
     order: VecDeque<u64>,
 }
 
-const CACHE_ENTRIES: usize = 16_384;
-
 impl Cache {
+    fn new() -> Self {
+        Cache { map: FxHashMap::default(), order: VecDeque::new() }
+    }
+
     fn get(&self, k: u64, text: &Arc<str>) -> Option<Outcome> {
-        let bucket = self.map.get(&k)?;
-        bucket.iter().find(|(held, _)| Arc::ptr_eq(held, text) || **held == **text).map(|(_, o)| o.clone())
+        let (held, outcome) = self.map.get(&k)?;
+        (Arc::ptr_eq(held, text) || **held == **text).then(|| outcome.clone())
     }
 
     fn put(&mut self, k: u64, text: &Arc<str>, outcome: Outcome) {
-        let bucket = self.map.entry(k).or_default();
-        if bucket.iter().any(|(held, _)| **held == **text) {
+        if self.map.insert(k, (text.clone(), outcome)).is_some() {
+            // The hash is queued already (same text, or a collision).
             return;
         }
-        bucket.push((text.clone(), outcome));
         self.order.push_back(k);
         while self.order.len() > CACHE_ENTRIES {
             if let Some(old) = self.order.pop_front() {
-                if let Some(b) = self.map.get_mut(&old) {
-                    b.remove(0);
-                    if b.is_empty() {
-                        self.map.remove(&old);
-                    }
-                }
+                self.map.remove(&old);
             }
         }
     }
 }
+
+const CACHE_ENTRIES: usize = 16_384;
 
 /// A fast hash of a change's text, eight bytes at a time (entries are
 /// compared in full on a match, so collisions cost a comparison only).
@@ -201,6 +202,9 @@ impl FilterGroup {
         } else {
             Vec::new()
         };
+        // Evaluations so far: if none happen before this one holds the
+        // chain, the cache cannot have learned anything meanwhile.
+        let evaluated_before = self.evaluations.load(std::sync::atomic::Ordering::Acquire);
         if shared {
             let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
             for ((o, m), k) in out.iter_mut().zip(messages).zip(&keys) {
@@ -217,7 +221,7 @@ impl FilterGroup {
             return Err(f.clone());
         }
         // Another subscriber may have evaluated them while this one waited.
-        if shared {
+        if shared && self.evaluations.load(std::sync::atomic::Ordering::Acquire) != evaluated_before {
             let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
             for ((o, m), k) in out.iter_mut().zip(messages).zip(&keys) {
                 if o.is_none() {
@@ -235,7 +239,7 @@ impl FilterGroup {
                 return Err(e);
             }
         };
-        self.evaluations.fetch_add(misses.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let evaluated_now = misses.len() as u64;
         let mut learned = Vec::new();
         {
             let mut cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
@@ -253,6 +257,9 @@ impl FilterGroup {
                 out[i] = Some(outcome);
             }
         }
+        // Counted after the cache learned the outcomes (Release), so a
+        // subscriber that sees the count (Acquire) finds them there.
+        self.evaluations.fetch_add(evaluated_now, std::sync::atomic::Ordering::Release);
         // The policies of these tables are known now (no plugin call).
         for (schema, name) in learned {
             let mut verdict = TableVerdict::Decided(true);
@@ -481,7 +488,7 @@ impl FilterHost {
         let group = Arc::new(FilterGroup {
             label,
             chain: tokio::sync::Mutex::new(Chain { filters, failed: None }),
-            cache: Mutex::new(Cache { map: HashMap::new(), order: VecDeque::new() }),
+            cache: Mutex::new(Cache::new()),
             tables: RwLock::new(FxHashMap::default()),
             evaluations: Default::default(),
             broken: Default::default(),
@@ -508,7 +515,7 @@ mod tests {
 
     #[test]
     fn the_cache_holds_what_it_keys() {
-        let mut c = Cache { map: HashMap::new(), order: VecDeque::new() };
+        let mut c = Cache::new();
         let a: Arc<str> = Arc::from("[\"data\",{}]");
         let same_text: Arc<str> = Arc::from("[\"data\",{}]");
         c.put(key(&a), &a, Outcome::Drop);
@@ -516,8 +523,13 @@ mod tests {
         assert_eq!(c.get(key(&same_text), &same_text), Some(Outcome::Drop), "a replayed copy of the text hits too");
         let other: Arc<str> = Arc::from("[\"data\",{\"x\":1}]");
         assert_eq!(c.get(key(&other), &other), None);
-        // A colliding key still compares the text.
+        // A colliding key still compares the text, and a colliding text
+        // takes the entry over.
         assert_eq!(c.get(key(&a), &other), None);
+        c.put(key(&a), &other, Outcome::Keep);
+        assert_eq!(c.get(key(&a), &other), Some(Outcome::Keep));
+        assert_eq!(c.get(key(&a), &a), None);
+        assert_eq!(c.order.len(), 1);
         for i in 0..CACHE_ENTRIES + 10 {
             let t: Arc<str> = Arc::from(format!("{i}"));
             c.put(key(&t), &t, Outcome::Keep);
