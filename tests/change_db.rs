@@ -173,24 +173,9 @@ async fn a_takeover_resumes_after_the_old_owners_last_commit() {
     wait_for_row_lock(&c, &s).await;
 
     let next = Feed::default();
-    let new_options = StreamerOptions { task_id: "task-b".into(), advertise: "b:1".into(), ..options() };
-    let new_owner = start(&spec.as_task("task-b"), Box::new(next.clone()), new_options);
+    let new_owner = start_new_owner(&spec, &next);
     // The takeover queues behind the old owner's open storage transaction.
-    wait_until("the takeover waits for the row lock", WAIT, || {
-        let c = &c;
-        async move {
-            let waiting: i64 = c
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%SET \"owner\"%'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            waiting > 0
-        }
-    })
-    .await;
+    wait_for_takeover_lock(&c).await;
     assert!(next.opens.lock().unwrap().is_empty(), "the source is opened only after ownership is held");
 
     feed.push(commit("05"));
@@ -209,6 +194,76 @@ async fn a_takeover_resumes_after_the_old_owners_last_commit() {
     stored(&new_owner, "09").await;
     assert_eq!(spec.committed().await, ["03", "05", "09"]);
     new_owner.stop().await.unwrap();
+}
+
+/// Host "task-b" on `feed`, over the same change DB.
+fn start_new_owner(spec: &LogSpec, feed: &Feed) -> Harness {
+    let options = StreamerOptions { task_id: "task-b".into(), advertise: "b:1".into(), ..options() };
+    start(&spec.as_task("task-b"), Box::new(feed.clone()), options)
+}
+
+/// Waits until a takeover (the `owner` update) waits for the row lock.
+async fn wait_for_takeover_lock(c: &tokio_postgres::Client) {
+    wait_until("the takeover waits for the row lock", WAIT, || async move {
+        let waiting: i64 = c
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%SET \"owner\"%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        waiting > 0
+    })
+    .await;
+}
+
+/// Regression (found by the two-host chaos test): a subscriber that reaches
+/// a host while its takeover waits for the old owner's open storage
+/// transaction must not catch up from the log as it is then. The old owner
+/// commits that transaction, the new owner's stream starts after it, and a
+/// snapshot taken before would leave it out of the subscriber's view.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_during_a_takeover_waits_for_it() {
+    let (_dir, spec, feed, old_owner) = fed_harness();
+    feed.tx("03", &[1]);
+    stored(&old_owner, "03").await;
+    feed.push(begin("05"));
+    feed.push(insert(2));
+    let c = spec.pg_client().await;
+    wait_for_row_lock(&c, &spec.schema()).await;
+
+    let next = Feed::default();
+    let new_owner = start_new_owner(&spec, &next);
+    wait_for_takeover_lock(&c).await;
+    let served = serve_hub(new_owner.hub.clone(), new_owner.status.clone()).await;
+    let mut sub = ws::Client::subscribe(&served.addr, "03").await;
+    let status = new_owner.status.clone();
+    wait_until("the subscriber is held", WAIT, || {
+        let held = status.snapshot().held_subscribers;
+        async move { held == 1 }
+    })
+    .await;
+
+    feed.push(commit("05"));
+    wait_until("the new owner opens its source", WAIT, || {
+        let opened = !next.opens.lock().unwrap().is_empty();
+        async move { opened }
+    })
+    .await;
+    next.tx("09", &[4]);
+    let mut seen = Vec::new();
+    while seen.last().map(String::as_str) != Some("commit 09") {
+        seen.push(ws::summary(&sub.next().await.expect("stream still open")));
+    }
+    assert_eq!(
+        seen,
+        ["status", "begin 05", "insert 2", "commit 05", "begin 09", "insert 4", "commit 09"],
+        "the old owner's last transaction from the log, then the new owner's live"
+    );
+    assert_eq!(new_owner.status.snapshot().held_subscribers, 0);
+    new_owner.stop().await.unwrap();
+    let _ = old_owner.stop().await;
 }
 
 async fn stops_cleanly_when(drop_sql: &str) {

@@ -37,6 +37,11 @@ enum StorerSlot {
     /// A storer has stopped or is draining; new subscribers wait, outside the
     /// forwarder, until the log is final.
     Stopping(Vec<(Arc<Subscriber>, String)>),
+    /// A shared change DB this host does not own yet: the old owner may still
+    /// commit, and this host resumes after whatever it committed, so a
+    /// snapshot now could miss transactions the stream will not repeat.
+    /// Subscribers wait, outside the forwarder, until ownership is taken.
+    Unclaimed(Vec<(Arc<Subscriber>, String)>),
 }
 
 impl Hub {
@@ -50,6 +55,38 @@ impl Hub {
             reader,
             status,
         })
+    }
+
+    /// For a change log other hosts may write (a Postgres change DB): hold
+    /// subscribers until this host owns it ([`Hub::claimed`]).
+    pub fn hold_until_claimed(&self) {
+        let mut inner = self.lock();
+        if matches!(inner.storer, StorerSlot::Idle) {
+            inner.storer = StorerSlot::Unclaimed(Vec::new());
+        }
+    }
+
+    /// This host owns the change log now and no pass runs yet: nobody else
+    /// writes it, so the subscribers held meanwhile catch up from it directly.
+    pub fn claimed(&self) {
+        let waiting = {
+            let mut inner = self.lock();
+            match std::mem::replace(&mut inner.storer, StorerSlot::Idle) {
+                StorerSlot::Unclaimed(waiting) => waiting,
+                other => {
+                    inner.storer = other;
+                    return;
+                }
+            }
+        };
+        self.status.update(|s| s.held_subscribers = 0);
+        for (sub, rv) in waiting {
+            if sub.is_closed() {
+                continue;
+            }
+            self.join_forwarder(self.lock(), &sub);
+            self.start_direct_catchup(sub, rv);
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -76,7 +113,9 @@ impl Hub {
     }
 
     pub fn storer_started(&self, queue: CatchupQueue) {
-        self.lock().storer = StorerSlot::Running(queue);
+        let mut inner = self.lock();
+        debug_assert!(!matches!(inner.storer, StorerSlot::Unclaimed(_)), "a pass starts only once the log is claimed");
+        inner.storer = StorerSlot::Running(queue);
     }
 
     pub fn storer_stopping(&self) {
@@ -93,6 +132,7 @@ impl Hub {
             StorerSlot::Stopping(waiting) => waiting,
             _ => Vec::new(),
         };
+        self.status.update(|s| s.held_subscribers = 0);
         for (sub, rv) in waiting {
             if sub.is_closed() {
                 continue;
@@ -147,10 +187,15 @@ impl Hub {
             // gap. Wait until the pass ends.
             StorerSlot::Running(_) => {
                 inner.storer = StorerSlot::Stopping(vec![(sub, rv)]);
+                drop(inner);
+                self.status.update(|s| s.held_subscribers = 1);
                 return;
             }
-            StorerSlot::Stopping(waiting) => {
+            StorerSlot::Stopping(waiting) | StorerSlot::Unclaimed(waiting) => {
                 waiting.push((sub, rv));
+                let held = waiting.len();
+                drop(inner);
+                self.status.update(|s| s.held_subscribers = held);
                 return;
             }
             StorerSlot::Idle => true,

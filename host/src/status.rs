@@ -34,6 +34,9 @@ pub struct Snapshot {
     /// Data and schema changes stored since start.
     pub changes: u64,
     pub subscribers: usize,
+    /// Subscribers connected but not yet joined: a takeover of the change
+    /// log from another host is under way, or a storer is draining.
+    pub held_subscribers: usize,
     pub source: SourceState,
     pub reset_required: bool,
     /// Why the upstream required a reset, when it did in this run.

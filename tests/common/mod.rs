@@ -334,6 +334,11 @@ pub struct Served {
 pub async fn serve(reader: Arc<dyn LogReader>) -> Served {
     let status = Arc::new(Status::default());
     let hub = sluice::hub::Hub::new(reader, status.clone());
+    serve_hub(hub, status).await
+}
+
+/// The subscriber endpoint for an existing hub (a streamer's).
+pub async fn serve_hub(hub: Arc<sluice::hub::Hub>, status: Arc<Status>) -> Served {
     let (stop, stop_rx) = watch::channel(false);
     let app = sluice::server::AppState {
         hub: hub.clone(),

@@ -75,6 +75,12 @@ pub trait ChangeLog: Send {
     /// Records which host writes the log, and where subscribers reach it.
     fn assume_ownership(&mut self, task_id: &str, address: &str) -> anyhow::Result<()>;
 
+    /// Other hosts may write this log (they hand ownership over through
+    /// it): until this host takes ownership, another may still commit.
+    fn shared(&self) -> bool {
+        false
+    }
+
     /// Opens a storage transaction.
     fn begin(&mut self) -> anyhow::Result<()>;
     /// Marks a point inside the storage transaction to roll back to.

@@ -223,6 +223,10 @@ impl PostgresChangeLog {
 }
 
 impl ChangeLog for PostgresChangeLog {
+    fn shared(&self) -> bool {
+        true
+    }
+
     fn state(&mut self) -> anyhow::Result<Option<LogState>> {
         let s = self.schema.clone();
         self.run(async |c| {

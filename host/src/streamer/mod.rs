@@ -117,6 +117,10 @@ impl Streamer {
         status: Arc<Status>,
     ) -> Self {
         status.update(|s| s.source_name = source.name().to_string());
+        if log.shared() {
+            // Another host may own it and still be committing.
+            hub.hold_until_claimed();
+        }
         Streamer {
             source,
             hub,
@@ -193,6 +197,7 @@ impl Streamer {
         let (task, addr) = (self.options.task_id.clone(), self.options.advertise.clone());
         self.with_log(|log| log.assume_ownership(&task, &addr))?;
         self.claimed = true;
+        self.hub.claimed();
         Ok(())
     }
 
