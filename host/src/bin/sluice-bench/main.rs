@@ -456,6 +456,13 @@ async fn store_with(
         .await
         .map_err(anyhow::Error::msg)?;
     let db = tmp.join(format!("store-{rows}-{row_bytes}-{durability:?}.db"));
+    // A fresh log each time: sections that run the same shape (`store` and
+    // `custom`) would otherwise find it complete and measure nothing.
+    for leftover in [db.clone(), db.with_extension("db-wal"), db.with_extension("db-shm")] {
+        if leftover.exists() {
+            std::fs::remove_file(&leftover)?;
+        }
+    }
     let log = SqliteChangeLog::open(&db, durability)?;
     let status = Arc::new(Status::default());
     let (stop, stop_rx) = watch::channel(false);
