@@ -320,13 +320,16 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         "sluice listening on ws://{addr}/replication/v6/changes (status: http://{addr}/status); change log {}",
         where_
     );
+    let mut streamer = Streamer::new(source, log, hub, options, status);
+    // Before the first request is served: a subscriber that comes at once
+    // finds the existing log (and, on a shared change DB, waits for ownership).
+    streamer.seed_hub();
     let server = tokio::spawn(serve);
     tokio::spawn(async move {
         wait_for_signal().await;
         tracing::info!("shutting down");
         let _ = stop_tx.send(true);
     });
-    let streamer = Streamer::new(source, log, hub, options, status);
     let result = streamer.run(stop_rx).await;
     server.abort();
     result

@@ -133,10 +133,11 @@ impl Streamer {
         }
     }
 
-    /// Runs until shutdown (Ok) or a fatal error (Err, with the reason).
-    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) -> anyhow::Result<()> {
-        // Subscribers can catch up from an existing log while the source is
-        // still connecting (or down).
+    /// Tells the hub (and `/status`) the lineage of an existing log, so
+    /// subscribers can catch up from it while the source is still connecting
+    /// (or down). `run` does this first; call it before serving subscribers,
+    /// so the first ones are not turned away as if there were no log yet.
+    pub fn seed_hub(&mut self) {
         if let Ok(Some(state)) = self.with_log(|log| log.state()) {
             self.hub.set_replica_version(&state.replica_version);
             self.status.update(|s| {
@@ -144,6 +145,11 @@ impl Streamer {
                 s.last_watermark = Some(state.last_watermark.clone());
             });
         }
+    }
+
+    /// Runs until shutdown (Ok) or a fatal error (Err, with the reason).
+    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) -> anyhow::Result<()> {
+        self.seed_hub();
         let mut backoff = Backoff::default();
         loop {
             if *shutdown.borrow() {

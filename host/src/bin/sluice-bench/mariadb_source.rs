@@ -61,12 +61,12 @@ fn start_sluice(addr: &str, config: &str, log: &std::path::Path) -> anyhow::Resu
         .arg("--change-db")
         .arg(format!("sqlite:{}", log.display()))
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::fs::OpenOptions::new().create(true).append(true).open(log.with_extension("log"))?)
         .spawn()?)
 }
 
 async fn wait_for<F: Fn() -> bool>(what: &str, check: F) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(300);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while !check() {
         anyhow::ensure!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(2)).await;
@@ -93,14 +93,19 @@ pub async fn run(registry: &Registry, addr_and_socket: (String, String), tmp: &s
     .to_string();
     let addr = free_addr();
     let log = tmp.join("mariadb.db");
-    // The snapshot of the empty table, then Sluice goes down.
+    // The snapshot of the empty table, stored, then Sluice goes down.
     let mut child = start_sluice(&addr, &config, &log)?;
     let started = Instant::now();
     let rv = loop {
         anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "sluice did not start");
         if let Ok(s) = http_status(&addr).await {
-            if let (Some(rv), Some(_)) = (s["replicaVersion"].as_str(), s["lastWatermark"].as_str()) {
-                break rv.to_string();
+            // The snapshot is durable once the log holds more than the
+            // replica version; killed before that, the next start would
+            // snapshot again under a new replica version.
+            if let (Some(rv), Some(w)) = (s["replicaVersion"].as_str(), s["lastWatermark"].as_str()) {
+                if w != rv {
+                    break rv.to_string();
+                }
             }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -144,7 +149,15 @@ pub async fn run(registry: &Registry, addr_and_socket: (String, String), tmp: &s
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     let s = seen.clone();
-    wait_for("the subscriber", move || s.changes.load(Ordering::Relaxed) >= ROWS).await?;
+    if let Err(e) = wait_for("the subscriber", move || s.changes.load(Ordering::Relaxed) >= ROWS).await {
+        let sluice_log = std::fs::read_to_string(log.with_extension("log")).unwrap_or_default();
+        let tail: Vec<&str> = sluice_log.lines().rev().take(20).collect();
+        let got = seen.changes.load(Ordering::Relaxed);
+        anyhow::bail!(
+            "{e} ({got} of {ROWS} changes); sluice's log ends:\n{}",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+    }
     let delivered = t1.elapsed().as_secs_f64();
     let last = seen.last_commit.lock().map(|l| l.clone()).unwrap_or_default();
     loop {
