@@ -115,16 +115,23 @@ async fn a_takeover_before_a_transaction_stops_the_old_owner_without_writing() {
     assert_eq!(row.get::<_, String>(2), "0d");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_takeover_waits_for_an_open_transaction() {
-    let (_dir, spec, feed, h) = fed_harness();
+/// A host that stored transaction 03 and is inside 05 (begin and one row
+/// written, so its storage transaction holds the `replicationState` row);
+/// also a client of the change DB and the query that probes the lock.
+async fn owner_inside_a_transaction() -> (tempfile::TempDir, LogSpec, Feed, Harness, tokio_postgres::Client, String) {
+    let (dir, spec, feed, h) = fed_harness();
     feed.tx("03", &[1]);
     stored(&h, "03").await;
     feed.push(begin("05"));
     feed.push(insert(2));
     let c = spec.pg_client().await;
-    let s = spec.schema();
-    let locked = wait_for_row_lock(&c, &s).await;
+    let locked = wait_for_row_lock(&c, &spec.schema()).await;
+    (dir, spec, feed, h, c, locked)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_waits_for_an_open_transaction() {
+    let (_dir, _spec, feed, h, c, locked) = owner_inside_a_transaction().await;
     feed.push(commit("05"));
     stored(&h, "05").await;
     c.batch_execute("BEGIN").await.unwrap();
@@ -163,14 +170,7 @@ async fn wait_for_row_lock(c: &tokio_postgres::Client, s: &str) -> String {
 /// subscriber misses what the old owner stored last.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_resumes_after_the_old_owners_last_commit() {
-    let (_dir, spec, feed, old_owner) = fed_harness();
-    feed.tx("03", &[1]);
-    stored(&old_owner, "03").await;
-    feed.push(begin("05"));
-    feed.push(insert(2));
-    let c = spec.pg_client().await;
-    let s = spec.schema();
-    wait_for_row_lock(&c, &s).await;
+    let (_dir, spec, feed, old_owner, c, _) = owner_inside_a_transaction().await;
 
     let next = Feed::default();
     let new_owner = start_new_owner(&spec, &next);
@@ -225,13 +225,7 @@ async fn wait_for_takeover_lock(c: &tokio_postgres::Client) {
 /// snapshot taken before would leave it out of the subscriber's view.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscriber_during_a_takeover_waits_for_it() {
-    let (_dir, spec, feed, old_owner) = fed_harness();
-    feed.tx("03", &[1]);
-    stored(&old_owner, "03").await;
-    feed.push(begin("05"));
-    feed.push(insert(2));
-    let c = spec.pg_client().await;
-    wait_for_row_lock(&c, &spec.schema()).await;
+    let (_dir, spec, feed, old_owner, c, _) = owner_inside_a_transaction().await;
 
     let next = Feed::default();
     let new_owner = start_new_owner(&spec, &next);

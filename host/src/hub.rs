@@ -79,8 +79,14 @@ impl Hub {
                 }
             }
         };
+        self.release_held(waiting);
+    }
+
+    /// Subscribers that waited while no snapshot could be trusted join the
+    /// forwarder and catch up from the log directly (no pass is running).
+    fn release_held(&self, held: Vec<(Arc<Subscriber>, String)>) {
         self.status.update(|s| s.held_subscribers = 0);
-        for (sub, rv) in waiting {
+        for (sub, rv) in held {
             if sub.is_closed() {
                 continue;
             }
@@ -132,14 +138,7 @@ impl Hub {
             StorerSlot::Stopping(waiting) => waiting,
             _ => Vec::new(),
         };
-        self.status.update(|s| s.held_subscribers = 0);
-        for (sub, rv) in waiting {
-            if sub.is_closed() {
-                continue;
-            }
-            self.join_forwarder(self.lock(), &sub);
-            self.start_direct_catchup(sub, rv);
-        }
+        self.release_held(waiting);
     }
 
     fn start_direct_catchup(&self, sub: Arc<Subscriber>, rv: String) {
