@@ -152,6 +152,18 @@ impl FilterGroup {
         self.broken.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// Fills the outcomes still missing from the cache (`keys`: each
+    /// message's hash).
+    fn fill_from_cache(&self, out: &mut [Option<Outcome>], messages: &[Arc<str>], keys: &[u64]) -> Result<(), String> {
+        let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
+        for ((o, m), k) in out.iter_mut().zip(messages).zip(keys) {
+            if o.is_none() {
+                *o = cache.get(*k, m);
+            }
+        }
+        Ok(())
+    }
+
     /// The outcome of each data message (`["data",{...}]`), in order. An
     /// error names the filter and the cause; the group is then unusable.
     pub async fn apply(self: &Arc<Self>, messages: &[Arc<str>]) -> Result<Vec<Outcome>, String> {
@@ -206,12 +218,7 @@ impl FilterGroup {
         // chain, the cache cannot have learned anything meanwhile.
         let evaluated_before = self.evaluations.load(std::sync::atomic::Ordering::Acquire);
         if shared {
-            let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
-            for ((o, m), k) in out.iter_mut().zip(messages).zip(&keys) {
-                if o.is_none() {
-                    *o = cache.get(*k, m);
-                }
-            }
+            self.fill_from_cache(&mut out, messages, &keys)?;
         }
         if out.iter().all(Option::is_some) {
             return Ok(out.into_iter().flatten().collect());
@@ -222,12 +229,7 @@ impl FilterGroup {
         }
         // Another subscriber may have evaluated them while this one waited.
         if shared && self.evaluations.load(std::sync::atomic::Ordering::Acquire) != evaluated_before {
-            let cache = self.cache.lock().map_err(|_| "filter cache poisoned".to_string())?;
-            for ((o, m), k) in out.iter_mut().zip(messages).zip(&keys) {
-                if o.is_none() {
-                    *o = cache.get(*k, m);
-                }
-            }
+            self.fill_from_cache(&mut out, messages, &keys)?;
         }
         let misses: Vec<usize> = (0..messages.len()).filter(|i| out[*i].is_none()).collect();
         let items = misses.iter().map(|i| Item::new(&messages[*i], routes[*i], verdicts[*i]));

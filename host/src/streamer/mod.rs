@@ -106,6 +106,8 @@ pub struct Streamer {
     open_fresh: bool,
     /// This host has taken ownership of the log (once per process).
     claimed: bool,
+    /// The hub knows the existing log's lineage (`seed_hub` ran).
+    seeded: bool,
 }
 
 impl Streamer {
@@ -130,14 +132,19 @@ impl Streamer {
             acker: UpstreamAcker::default(),
             open_fresh: false,
             claimed: false,
+            seeded: false,
         }
     }
 
     /// Tells the hub (and `/status`) the lineage of an existing log, so
     /// subscribers can catch up from it while the source is still connecting
-    /// (or down). `run` does this first; call it before serving subscribers,
-    /// so the first ones are not turned away as if there were no log yet.
+    /// (or down). Once: `run` does it if it was not done; call it before
+    /// serving subscribers, so the first ones are not turned away as if
+    /// there were no log yet.
     pub fn seed_hub(&mut self) {
+        if std::mem::replace(&mut self.seeded, true) {
+            return;
+        }
         if let Ok(Some(state)) = self.with_log(|log| log.state()) {
             self.hub.set_replica_version(&state.replica_version);
             self.status.update(|s| {
