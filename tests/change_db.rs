@@ -371,6 +371,70 @@ async fn a_lost_connection_is_retried_and_loses_nothing() {
     spec.assert_whole().await;
 }
 
+/// The connection dies between a storage transaction's COPY and its commit:
+/// the commit must fail (the server rolled the rows back), not reconnect and
+/// record a lastWatermark over rows that are not there (the loss the test
+/// above once caught).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_inside_a_storage_transaction_fails_it() {
+    use sluice::storage::postgres::PostgresChangeLog;
+    use sluice::storage::{ChangeLog, LogRow};
+    const BEGIN: &str = r#"{"tag":"begin"}"#;
+    const INSERT: &str = r#"{"tag":"insert","relation":{"schema":"public","name":"t"},"new":{"id":1}}"#;
+    const COMMIT: &str = r#"{"tag":"commit"}"#;
+    fn tx(w: &str) -> [LogRow<'_>; 3] {
+        [
+            LogRow { watermark: w, pos: 0, tag: "begin", change: BEGIN, precommit: None },
+            LogRow { watermark: w, pos: 1, tag: "insert", change: INSERT, precommit: None },
+            LogRow { watermark: w, pos: 2, tag: "commit", change: COMMIT, precommit: Some(w) },
+        ]
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let spec = pg_spec(&dir);
+    let pg = spec.pg.clone().unwrap();
+    let rt = tokio::runtime::Handle::current();
+    let mut log = tokio::task::block_in_place(|| {
+        let mut log = PostgresChangeLog::open(pg.clone(), rt).unwrap();
+        log.reset("00").unwrap();
+        log.assume_ownership("task-id", "here").unwrap();
+        log.begin().unwrap();
+        log.append(&tx("05")).unwrap();
+        log
+    });
+    let c = spec.pg_client().await;
+    let cut: i64 = c
+        .query_one(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
+            &[&pg.application_name],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(cut, 1, "the writer's one connection");
+    // Once the writer has seen the loss, its next call is the one that
+    // would reconnect.
+    wait_until("the writer sees its connection closed", WAIT, || {
+        let closed = !log.connected();
+        async move { closed }
+    })
+    .await;
+    let err = tokio::task::block_in_place(|| log.commit("05")).unwrap_err();
+    assert!(format!("{err:#}").contains("lost inside a storage transaction"), "{err:#}");
+    let s = spec.schema();
+    let last: String =
+        c.query_one(&format!(r#"SELECT "lastWatermark" FROM {s}."replicationState""#), &[]).await.unwrap().get(0);
+    assert_eq!(last, "00", "lastWatermark stays at the last durable commit");
+    assert_eq!(spec.committed().await, Vec::<String>::new());
+    // The next storage transaction reconnects and writes.
+    tokio::task::block_in_place(|| {
+        log.begin().unwrap();
+        log.append(&tx("07")).unwrap();
+        log.commit("07").unwrap();
+    });
+    assert_eq!(spec.committed().await, ["07"]);
+    spec.assert_whole().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wedged_change_db_stops_the_service() {
     init_logs();

@@ -110,6 +110,10 @@ pub struct PostgresChangeLog {
     insert: Option<tokio_postgres::Statement>,
     /// The owner read at the start of the open storage transaction.
     owner_at_begin: Option<Option<String>>,
+    /// A storage transaction is open on `client`: a lost connection must
+    /// fail it, never be replaced under it (the server rolled back what was
+    /// written, and a fresh connection would commit the rest on its own).
+    in_transaction: bool,
 }
 
 impl PostgresChangeLog {
@@ -136,19 +140,37 @@ impl PostgresChangeLog {
 
     pub fn open(settings: PgSettings, rt: Handle) -> anyhow::Result<Self> {
         let schema = settings.schema();
-        let mut log = PostgresChangeLog { settings, schema, rt, client: None, insert: None, owner_at_begin: None };
+        let mut log = PostgresChangeLog {
+            settings,
+            schema,
+            rt,
+            client: None,
+            insert: None,
+            owner_at_begin: None,
+            in_transaction: false,
+        };
         log.setup()?;
         Ok(log)
     }
 
-    /// The live connection, reconnecting after a loss.
+    /// The live connection, reconnecting after a loss between storage
+    /// transactions only.
     fn client(&mut self) -> anyhow::Result<&Client> {
         if self.client.as_ref().is_none_or(|c| c.is_closed()) {
+            anyhow::ensure!(
+                !self.in_transaction,
+                "the change DB connection was lost inside a storage transaction (the server rolled it back)"
+            );
             let settings = self.settings.clone();
             self.insert = None;
             self.client = Some(self.rt.block_on(settings.connect())?);
         }
         Ok(self.client.as_ref().expect("connected above"))
+    }
+
+    /// Whether the connection is open (a test waits on this after cutting it).
+    pub fn connected(&self) -> bool {
+        self.client.as_ref().is_some_and(|c| !c.is_closed())
     }
 
     fn run<T>(&mut self, f: impl AsyncFnOnce(&Client) -> anyhow::Result<T>) -> anyhow::Result<T> {
@@ -341,6 +363,7 @@ impl ChangeLog for PostgresChangeLog {
         match owner {
             Ok(owner) => {
                 self.owner_at_begin = Some(owner);
+                self.in_transaction = true;
                 Ok(())
             }
             Err(e) => {
@@ -418,14 +441,18 @@ impl ChangeLog for PostgresChangeLog {
                 .map_err(|e| classify(e, "updating lastWatermark"))?;
             c.batch_execute("COMMIT").await.map_err(|e| classify(e, "COMMIT"))
         });
-        if result.is_err() {
-            let _ = self.rollback();
+        match result {
+            Ok(()) => self.in_transaction = false,
+            Err(_) => {
+                let _ = self.rollback();
+            }
         }
         result
     }
 
     fn rollback(&mut self) -> anyhow::Result<()> {
         self.owner_at_begin = None;
+        self.in_transaction = false;
         if let Some(c) = self.client.as_ref().filter(|c| !c.is_closed()) {
             let rt = self.rt.clone();
             rt.block_on(c.batch_execute("ROLLBACK")).map_err(|e| classify(e, "ROLLBACK"))?;
