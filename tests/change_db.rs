@@ -349,12 +349,13 @@ async fn a_lost_connection_is_retried_and_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     // The mock harness runs as the default task, "sluice".
     let spec = LogSpec::new(Backend::Postgres, dir.path());
-    let h = start_mock(&spec, json!({"transactions": 300, "rows_per_tx": 5, "rate": 300}), Limits::default()).await;
+    let h = start_mock(&spec, json!({"transactions": 600, "rows_per_tx": 5, "rate": 600}), Limits::default()).await;
     let c = spec.pg_client().await;
-    // Cut the writer's connections a few times while it streams.
+    // Cut the writer's connections often, at uneven intervals, while it
+    // streams: some cuts land inside a storage transaction.
     let mut killed = 0;
-    for _ in 0..3 {
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    for pause in [150, 20, 45, 70, 15, 90, 30, 60, 25, 80, 35, 55] {
+        tokio::time::sleep(Duration::from_millis(pause)).await;
         c.query(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
             &[&spec.pg.as_ref().unwrap().application_name],
@@ -365,9 +366,9 @@ async fn a_lost_connection_is_retried_and_loses_nothing() {
         .for_each(|r| killed += r.get::<_, bool>(0) as usize);
     }
     assert!(killed > 0, "no connection was cut");
-    h.wait_for_watermark(&lexi(300), WAIT).await;
+    h.wait_for_watermark(&lexi(600), WAIT).await;
     h.stop().await.unwrap();
-    assert_eq!(spec.committed().await, (1..=300).map(lexi).collect::<Vec<_>>());
+    assert_eq!(spec.committed().await, (1..=600).map(lexi).collect::<Vec<_>>());
     spec.assert_whole().await;
 }
 
