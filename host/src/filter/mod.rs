@@ -329,7 +329,8 @@ struct Item<'a> {
     route: Route<'a>,
     /// Its table's verdict, if the chain has seen the table before.
     verdict: Option<TableVerdict>,
-    /// The inner object a filter replaced it with.
+    /// The message a filter's replacement made of it (`["data",{...}]`,
+    /// built once: later filters read its inner object, the subscriber all).
     replaced: Option<String>,
     dropped: bool,
 }
@@ -340,7 +341,7 @@ impl<'a> Item<'a> {
     }
 
     fn inner(&self) -> &str {
-        self.replaced.as_deref().unwrap_or_else(|| inner_object(self.original))
+        inner_object(self.replaced.as_deref().unwrap_or(self.original))
     }
 }
 
@@ -426,7 +427,11 @@ async fn evaluate<'a>(
                             filter.name()
                         ));
                     }
-                    items[i].replaced = Some(doc.to_string());
+                    let mut message = String::with_capacity(doc.len() + 9);
+                    message.push_str("[\"data\",");
+                    message.push_str(doc);
+                    message.push(']');
+                    items[i].replaced = Some(message);
                 }
             }
         }
@@ -435,7 +440,7 @@ async fn evaluate<'a>(
         .into_iter()
         .map(|item| match (item.dropped, item.replaced) {
             (true, _) => Outcome::Drop,
-            (false, Some(inner)) => Outcome::Replace(Arc::from(format!("[\"data\",{inner}]"))),
+            (false, Some(message)) => Outcome::Replace(Arc::from(message)),
             (false, None) => Outcome::Keep,
         })
         .collect())

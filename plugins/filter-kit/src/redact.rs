@@ -13,6 +13,7 @@
 //! NULL stays NULL. Row-key columns are never redacted: a replica needs them
 //! to find rows.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 
 use serde::Deserialize;
@@ -38,25 +39,78 @@ struct Config {
 pub struct Redact {
     tables: TablePatterns,
     drop: Vec<String>,
+    /// Each masked column's mask as a JSON string, encoded once.
     mask: HashMap<String, String>,
     hash: Vec<String>,
-    key: Vec<u8>,
+    hmac: Hmac,
+    /// The row-key columns of recent relations, by their raw text.
+    keys: RefCell<RecentKeys>,
 }
 
-fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
-    let mut k = [0u8; 64];
-    if key.len() > 64 {
-        k[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        k[..key.len()].copy_from_slice(key);
+/// The row-key columns of the last few relations seen: a stream runs over a
+/// handful of tables at a time, so most rows skip parsing their relation.
+#[derive(Default)]
+struct RecentKeys {
+    entries: Vec<(String, Vec<String>)>,
+    next: usize,
+}
+
+impl RecentKeys {
+    const SIZE: usize = 8;
+
+    fn of(&mut self, relation: &str) -> &[String] {
+        let found = self.entries.iter().position(|(r, _)| scan::same(r.as_bytes(), relation.as_bytes()));
+        let i = found.unwrap_or_else(|| {
+            let entry = (relation.to_string(), crate::key_columns(relation));
+            if self.entries.len() < Self::SIZE {
+                self.entries.push(entry);
+                self.entries.len() - 1
+            } else {
+                let i = self.next;
+                self.entries[i] = entry;
+                self.next = (i + 1) % Self::SIZE;
+                i
+            }
+        });
+        &self.entries[i].1
     }
-    let pad = |b: u8| k.iter().map(|x| x ^ b).collect::<Vec<u8>>();
-    let inner = Sha256::new().chain_update(pad(0x36)).chain_update(message).finalize();
-    Sha256::new().chain_update(pad(0x5c)).chain_update(inner).finalize().into()
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+/// HMAC-SHA256 under one key, with the padded key blocks hashed once.
+struct Hmac {
+    inner: Sha256,
+    outer: Sha256,
+}
+
+impl Hmac {
+    fn new(key: &[u8]) -> Hmac {
+        let mut k = [0u8; 64];
+        if key.len() > 64 {
+            k[..32].copy_from_slice(&Sha256::digest(key));
+        } else {
+            k[..key.len()].copy_from_slice(key);
+        }
+        let padded = |b: u8| Sha256::new().chain_update(k.map(|x| x ^ b));
+        Hmac { inner: padded(0x36), outer: padded(0x5c) }
+    }
+
+    fn sign(&self, message: &[u8]) -> [u8; 32] {
+        let inner = self.inner.clone().chain_update(message).finalize();
+        self.outer.clone().chain_update(inner).finalize().into()
+    }
+}
+
+/// `bytes` in lower-case hex, as a JSON string.
+fn hex_string(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(2 * bytes.len() + 2);
+    out.push('"');
+    for b in bytes {
+        out.push(DIGITS[(b >> 4) as usize] as char);
+        out.push(DIGITS[(b & 15) as usize] as char);
+    }
+    out.push('"');
+    out
 }
 
 impl Redact {
@@ -78,16 +132,18 @@ impl Redact {
     /// the caller takes the general path.
     fn row_change(&self, tag: &str, json: &str) -> Option<Verdict> {
         let c = scan::row_parts(json)?;
-        let keys = crate::key_columns(c.relation);
-        let (new, a) = self.raw_row(c.new, &keys)?;
-        let (key, b) = self.raw_row(c.key, &keys)?;
+        let mut recent = self.keys.borrow_mut();
+        let keys = recent.of(c.relation);
+        let (new, a) = self.raw_row(c.new, keys)?;
+        let (key, b) = self.raw_row(c.key, keys)?;
         if !(a || b) {
             return Some(Verdict::Keep);
         }
         let mut out = String::with_capacity(json.len());
-        out.push_str("{\"tag\":");
-        out.push_str(&serde_json::to_string(tag).ok()?);
-        out.push_str(",\"relation\":");
+        // `tag` is insert, update or delete: no escaping needed.
+        out.push_str("{\"tag\":\"");
+        out.push_str(tag);
+        out.push_str("\",\"relation\":");
         out.push_str(c.relation);
         if tag != "insert" {
             out.push_str(",\"key\":");
@@ -108,7 +164,9 @@ impl Redact {
         let mut changed = false;
         let mut out = String::with_capacity(raw.len());
         out.push('{');
-        for (raw_key, v) in scan::members(raw)? {
+        // Walked, not collected: a malformed member ends it all with `None`.
+        for member in scan::Members::of(raw)? {
+            let (raw_key, v) = member.ok()?;
             let k = scan::key_text(raw_key)?;
             let protected = keys.iter().any(|c| *c == *k);
             let null = v == "null";
@@ -119,9 +177,9 @@ impl Redact {
             let replacement = if protected || null {
                 None
             } else if let Some(mask) = self.mask.get(&*k) {
-                Some(serde_json::to_string(mask).ok()?)
+                Some(mask.clone())
             } else if self.hash.iter().any(|h| *h == *k) {
-                Some(format!("\"{}\"", hex(&hmac_sha256(&self.key, v.as_bytes()))))
+                Some(hex_string(&self.hmac.sign(v.as_bytes())))
             } else {
                 None
             };
@@ -206,12 +264,19 @@ impl Filter for Redact {
         if c.drop.is_empty() && c.mask.is_empty() && c.hash.is_empty() {
             return Err("nothing to redact: give drop, mask or hash".into());
         }
+        let mask = c
+            .mask
+            .into_iter()
+            .map(|(column, text)| serde_json::to_string(&text).map(|json| (column, json)))
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
         Ok(Redact {
             tables: TablePatterns::new(c.tables, Vec::new())?,
             drop: c.drop,
-            mask: c.mask,
+            mask,
             hash: c.hash,
-            key: c.hash_key.unwrap_or_default().into_bytes(),
+            hmac: Hmac::new(c.hash_key.unwrap_or_default().as_bytes()),
+            keys: RefCell::default(),
         })
     }
 
@@ -225,5 +290,51 @@ impl Filter for Redact {
 
     fn decide(&self, tag: &str, json: &str) -> Verdict {
         self.verdict(tag, json)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(bytes: &[u8]) -> String {
+        hex_string(bytes).trim_matches('"').to_string()
+    }
+
+    #[test]
+    fn hmac_matches_rfc_4231() {
+        // Test case 2, and test case 6 (a key longer than a block).
+        let h = Hmac::new(b"Jefe").sign(b"what do ya want for nothing?");
+        assert_eq!(hex(&h), "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+        let h = Hmac::new(&[0xaa; 131]).sign(b"Test Using Larger Than Block-Size Key - Hash Key First");
+        assert_eq!(hex(&h), "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+    }
+
+    #[test]
+    fn rows_of_two_tables_keep_their_own_keys() {
+        let r = Redact::from_config(r#"{"drop":["a"],"mask":{"b":"x\"y"},"hash":["c"],"hash_key":"Jefe"}"#).unwrap();
+        let row = |table: &str, key: &str| {
+            format!(
+                r#"{{"tag":"insert","relation":{{"schema":"public","name":"{table}","rowKey":{{"columns":["{key}"]}}}},"new":{{"a":1,"b":2,"c":"v"}}}}"#
+            )
+        };
+        let sign = hex_string(&Hmac::new(b"Jefe").sign(br#""v""#));
+        let expect = |table: &str, key: &str, new: &str| {
+            Verdict::Replace(format!(
+                r#"{{"tag":"insert","relation":{{"schema":"public","name":"{table}","rowKey":{{"columns":["{key}"]}}}},"new":{new}}}"#
+            ))
+        };
+        // The relation memo must follow the relation: `a` is the key of t1
+        // (kept), not of t2 (dropped), and again of t1; and after the memo
+        // has turned over.
+        let t1 = || expect("t1", "a", &format!(r#"{{"a":1,"b":"x\"y","c":{sign}}}"#));
+        assert_eq!(r.decide("insert", &row("t1", "a")), t1());
+        assert_eq!(r.decide("insert", &row("t2", "b")), expect("t2", "b", &format!(r#"{{"b":2,"c":{sign}}}"#)));
+        assert_eq!(r.decide("insert", &row("t1", "a")), t1());
+        for t in 0..2 * RecentKeys::SIZE {
+            let other = format!("o{t}");
+            assert_eq!(r.decide("insert", &row(&other, "c")), expect(&other, "c", r#"{"b":"x\"y","c":"v"}"#));
+        }
+        assert_eq!(r.decide("insert", &row("t1", "a")), t1());
     }
 }
