@@ -103,7 +103,11 @@ async fn main() -> anyhow::Result<()> {
     }
     if run("filters") {
         println!("\n## Filters: fan-out to 100 subscribers (2,000 transactions of 10 rows, source unthrottled)");
-        for f in [FanoutFilter::None, FanoutFilter::Shared, FanoutFilter::Distinct] {
+        // SLUICE_BENCH_FANOUT=shared (or none, distinct) runs one of the three.
+        let only = std::env::var("SLUICE_BENCH_FANOUT").ok();
+        let kinds =
+            [("none", FanoutFilter::None), ("shared", FanoutFilter::Shared), ("distinct", FanoutFilter::Distinct)];
+        for (_, f) in kinds.into_iter().filter(|(name, _)| only.as_deref().is_none_or(|o| o == *name)) {
             fanout_with(&tmp, 100, 0.0, 2_000, f).await?;
         }
     }
