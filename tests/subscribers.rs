@@ -34,7 +34,8 @@ on_both_backends!(
     subscribers_joining_mid_transaction_get_each_transaction_once,
     a_subscriber_that_stops_reading_does_not_hold_the_others,
     bad_requests_close_with_zeros_reasons,
-    an_out_of_order_ack_closes_the_stream
+    an_out_of_order_ack_closes_the_stream,
+    an_oversized_subscriber_message_is_refused_and_the_others_continue
 );
 
 struct Server {
@@ -337,6 +338,22 @@ async fn an_out_of_order_ack_closes_the_stream(backend: Backend) {
     let (code, reason) = Client { ws }.close_reason().await;
     assert_eq!(code, 1011);
     assert_eq!(reason, "Error: Unexpected ack for 1: 5");
+}
+
+async fn an_oversized_subscriber_message_is_refused_and_the_others_continue(backend: Backend) {
+    let s = server(backend).await;
+    let mut other = Client::subscribe(&s.addr, "01").await;
+    assert_eq!(other.take(1).await, ["status"]);
+    let url = format!("ws://{}/replication/v6/changes?id=big&replicaVersion=01&watermark=01", s.addr);
+    let (mut ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await.unwrap();
+    let _status = ws.next().await.unwrap().unwrap();
+    let big = format!("{{\"ack\":{}}}", "1".repeat(sluice::server::changes::MAX_SUBSCRIBER_MESSAGE));
+    ws.send(Ws::Text(big.into())).await.unwrap();
+    let (code, reason) = Client { ws }.close_reason().await;
+    assert_eq!(code, 1011);
+    assert!(reason.starts_with("Error: connection error: Space limit exceeded: Message too long"), "{reason}");
+    s.feed.tx("05", &[1]);
+    assert_eq!(other.take(3).await, ["begin 05", "insert 1", "commit 05"]);
 }
 
 async fn the_retention_window_holds_the_log_without_subscribers(backend: Backend) {

@@ -24,6 +24,17 @@ pub const MIN_PROTOCOL: u32 = 1;
 pub const MAX_PROTOCOL: u32 = 6;
 const PROTOCOL_ERROR: u16 = 1002;
 
+/// The largest message a subscriber may send. It sends acks of a few dozen
+/// bytes; a bigger message is refused as it arrives instead of buffered.
+pub const MAX_SUBSCRIBER_MESSAGE: usize = 64 << 10;
+
+/// A subscriber's socket: a small read buffer (acks are tiny; the default
+/// 128 KiB per connection adds up over many subscribers) and a cap on what
+/// it may send.
+fn limited(ws: WebSocketUpgrade) -> WebSocketUpgrade {
+    ws.read_buffer_size(8 << 10).max_message_size(MAX_SUBSCRIBER_MESSAGE).max_frame_size(MAX_SUBSCRIBER_MESSAGE)
+}
+
 /// What a subscriber asked for.
 #[derive(Debug, Clone)]
 pub struct SubscriberContext {
@@ -80,7 +91,7 @@ pub async fn changes(
     State(app): State<AppState>,
 ) -> Response {
     let ctx = parse_context(&segment, &query);
-    ws.on_upgrade(move |socket| async move {
+    limited(ws).on_upgrade(move |socket| async move {
         match ctx {
             Err(message) => close_with_error(socket, &message).await,
             Ok(ctx) => serve(socket, ctx, app).await,
@@ -100,7 +111,7 @@ pub async fn snapshot(
         }
         Err("backups are not configured".to_string())
     });
-    ws.on_upgrade(move |socket| async move {
+    limited(ws).on_upgrade(move |socket| async move {
         if let Err(message) = result {
             close_with_error(socket, &message).await;
         }
@@ -294,7 +305,16 @@ async fn pump(
                     }
                     Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
                     Some(Ok(Message::Close(_))) | None => return "closed by the peer".into(),
-                    Some(Err(e)) => return format!("connection error: {e}"),
+                    Some(Err(e)) => {
+                        let e = format!("connection error: {e}");
+                        // tungstenite's words for a message over the size
+                        // cap: tell the subscriber why (a reset needs no
+                        // close frame, and gets none).
+                        if e.contains("Space limit exceeded") {
+                            close_with_error_split(&mut tx, &e).await;
+                        }
+                        return e;
+                    }
                 }
             }
             _ = ping.tick() => {
