@@ -376,7 +376,7 @@ async fn a_catching_up_subscriber_past_its_backlog_limit_is_closed_and_catches_u
     // A tiny backlog: live traffic during catch-up overflows it at once.
     let limits = sluice::subscriber::Limits { backlog_bytes: 1, ..Default::default() };
     let s = server_with(backend, limits).await;
-    // A log larger than the catch-up window (4 MiB unconsumed): a subscriber
+    // A log larger than the catch-up window (1 MiB unconsumed): a subscriber
     // that does not read yet stays in catch-up while live traffic arrives.
     for i in 0..6000u64 {
         s.feed.tx(&lexi(i + 2), &[i as i64; 5]);
