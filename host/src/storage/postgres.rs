@@ -350,6 +350,9 @@ impl ChangeLog for PostgresChangeLog {
     }
 
     fn begin(&mut self) -> anyhow::Result<()> {
+        // Whatever came before is over (the storer rolls back after an
+        // error), so a lost connection may be replaced here.
+        self.in_transaction = false;
         let s = self.schema.clone();
         let owner = self.run(async |c| {
             c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED").await.map_err(|e| classify(e, "BEGIN"))?;
