@@ -356,20 +356,28 @@ async fn a_lost_connection_is_retried_and_loses_nothing() {
     let mut killed = 0;
     for pause in [150, 20, 45, 70, 15, 90, 30, 60, 25, 80, 35, 55] {
         tokio::time::sleep(Duration::from_millis(pause)).await;
-        c.query(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
-            &[&spec.pg.as_ref().unwrap().application_name],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .for_each(|r| killed += r.get::<_, bool>(0) as usize);
+        killed += cut_connections(&c, &spec).await;
     }
     assert!(killed > 0, "no connection was cut");
     h.wait_for_watermark(&lexi(600), WAIT).await;
     h.stop().await.unwrap();
     assert_eq!(spec.committed().await, (1..=600).map(lexi).collect::<Vec<_>>());
     spec.assert_whole().await;
+}
+
+/// Terminates the server sessions of `spec`'s writer (by its application
+/// name); how many were cut.
+async fn cut_connections(c: &tokio_postgres::Client, spec: &LogSpec) -> usize {
+    let app = &spec.pg.as_ref().expect("a Postgres log").application_name;
+    let cut: i64 = c
+        .query_one(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
+            &[app],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    cut as usize
 }
 
 /// The connection dies between a storage transaction's COPY and its commit:
@@ -403,15 +411,7 @@ async fn a_connection_lost_inside_a_storage_transaction_fails_it() {
         log
     });
     let c = spec.pg_client().await;
-    let cut: i64 = c
-        .query_one(
-            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
-            &[&pg.application_name],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(cut, 1, "the writer's one connection");
+    assert_eq!(cut_connections(&c, &spec).await, 1, "the writer's one connection");
     // Once the writer has seen the loss, its next call is the one that
     // would reconnect.
     wait_until("the writer sees its connection closed", WAIT, || {
