@@ -294,10 +294,13 @@ async fn purge_deletes_below_the_floor_and_keeps_the_latest_transaction() {
     let reader = h.hub.reader().clone();
     let purge = |w: &'static str| {
         let r = reader.clone();
-        tokio::task::block_in_place(move || r.purge_before(w)).unwrap()
+        tokio::task::block_in_place(move || r.purge_before(w, "01")).unwrap()
     };
     let watermarks =
         || async { spec.rows().await.into_iter().map(|r| r.watermark).collect::<std::collections::BTreeSet<_>>() };
+    let r = reader.clone();
+    let other_lineage = tokio::task::block_in_place(move || r.purge_before("04", "00")).unwrap();
+    assert_eq!(other_lineage, 0, "a floor computed for another lineage deletes nothing");
     assert_eq!(purge("02"), 2, "the two seed rows");
     assert_eq!(purge("03"), 0);
     assert_eq!(watermarks().await.into_iter().collect::<Vec<_>>(), ["03", "06"]);
@@ -322,7 +325,7 @@ async fn purge_deletes_below_the_floor_and_keeps_the_latest_transaction() {
         .await
         .unwrap();
     let r = reader.clone();
-    let err = tokio::task::block_in_place(move || r.purge_before("08")).unwrap_err();
+    let err = tokio::task::block_in_place(move || r.purge_before("08", "01")).unwrap_err();
     assert!(format!("{err:#}").contains("could not obtain lock"), "{err:#}");
     assert_eq!(watermarks().await.into_iter().collect::<Vec<_>>(), ["06", "08"]);
     locker.batch_execute("ROLLBACK").await.unwrap();
@@ -337,7 +340,7 @@ async fn purge_deletes_below_the_floor_and_keeps_the_latest_transaction() {
         .await
         .unwrap();
     let r = reader.clone();
-    let err = tokio::task::block_in_place(move || r.purge_before("0a")).unwrap_err();
+    let err = tokio::task::block_in_place(move || r.purge_before("0a", "01")).unwrap_err();
     assert!(matches!(StorageError::find(&err), Some(StorageError::OwnershipLost(_))));
     assert_eq!(err.to_string(), "aborting changeLog purge to 0a because ownership has been taken by different-task-id");
     assert_eq!(watermarks().await.into_iter().collect::<Vec<_>>(), ["08", "0a"]);

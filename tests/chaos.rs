@@ -25,28 +25,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::pgserver::PgServer;
+use common::process::Rng;
 use common::*;
 use futures::{SinkExt, StreamExt};
 use tokio::sync::watch;
 use tokio_tungstenite::tungstenite::Message as Ws;
 
 /// splitmix64: small, seedable, good enough to schedule faults.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo).max(1)
-    }
-}
-
 /// How long and with which seed: from the environment, printed either way.
 fn plan(variant: &str) -> (Duration, u64) {
     let secs: f64 = std::env::var("SLUICE_CHAOS_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(6.0);

@@ -5,13 +5,13 @@
 #[macro_use]
 mod common;
 
-use std::io::{Read, Write};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use common::process::{free_addr, http_get, sluice};
 use common::*;
 use serde_json::json;
 use sluice::plugin::{Limits, Registry};
@@ -247,7 +247,7 @@ async fn data_before_begin_stops_the_service(backend: Backend) {
     let h = start(&spec, Box::new(src), StreamerOptions::default());
     let err = h.task.await.unwrap().unwrap_err().to_string();
     assert_eq!(err, "data change (insert) received before 'begin' message");
-    assert_eq!(spec.rows().await.len(), 2, "only the seed rows");
+    assert_eq!(spec.rows().await.len(), 0, "no lineage is recorded before its first transaction is durable");
 }
 
 async fn mismatched_commit_watermark_stops_the_service(backend: Backend) {
@@ -257,7 +257,7 @@ async fn mismatched_commit_watermark_stops_the_service(backend: Backend) {
     let h = start(&spec, Box::new(src), StreamerOptions::default());
     let err = h.task.await.unwrap().unwrap_err().to_string();
     assert_eq!(err, "commit watermark 0c does not match 'begin' watermark 0b");
-    assert_eq!(spec.rows().await.len(), 2);
+    assert_eq!(spec.rows().await.len(), 0);
 }
 
 async fn acks_commits_once_durable_and_echoes_statuses_after_them(backend: Backend) {
@@ -477,10 +477,6 @@ fn replace_all(haystack: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
 
 // ---- The binary ----------------------------------------------------------
 
-fn sluice() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_sluice"))
-}
-
 #[test]
 fn bad_source_config_and_unknown_source_exit_with_a_clear_error() {
     let dir = tmp();
@@ -515,19 +511,6 @@ fn bad_source_config_and_unknown_source_exit_with_a_clear_error() {
     );
 }
 
-fn http_get(addr: &str, path: &str) -> Option<String> {
-    let mut s = std::net::TcpStream::connect(addr).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).ok()?;
-    body.split_once("\r\n\r\n").map(|(_, b)| b.to_string())
-}
-
-fn free_port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
-}
-
 fn status_watermark(addr: &str) -> Option<String> {
     let body = http_get(addr, "/status")?;
     let v: serde_json::Value = serde_json::from_str(&body).ok()?;
@@ -553,7 +536,7 @@ async fn a_killed_host_resumes_at_the_right_watermark() {
     let spec = LogSpec::new(Backend::Sqlite, dir.path());
     let db = spec.sqlite.clone();
     let config = r#"{"transactions": 400, "rows_per_tx": 5, "rate": 200}"#;
-    let addr = free_port();
+    let addr = free_addr();
     let mut host = spawn_host(&db, &addr, config);
     let a = addr.clone();
     wait_until("the first host to store 50 transactions", WAIT, || {
@@ -566,7 +549,7 @@ async fn a_killed_host_resumes_at_the_right_watermark() {
     let before = spec.committed().await;
     assert!(before.len() >= 50 && before.len() < 400, "killed mid-stream ({} stored)", before.len());
 
-    let addr = free_port();
+    let addr = free_addr();
     let mut host = spawn_host(&db, &addr, config);
     let a = addr.clone();
     wait_until("the restarted host to reach transaction 400", WAIT, || {
@@ -589,7 +572,7 @@ async fn a_killed_host_resumes_at_the_right_watermark() {
 async fn sluice_tail_prints_the_stream_and_stops_after_n_commits() {
     let dir = tmp();
     let db = dir.path().join("log.db");
-    let addr = free_port();
+    let addr = free_addr();
     let mut host = spawn_host(&db, &addr, r#"{"transactions": 20, "rows_per_tx": 2}"#);
     let a = addr.clone();
     wait_until("20 transactions stored", WAIT, || {

@@ -55,7 +55,7 @@ async fn server() -> Server {
     let (addr, serve) =
         sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx.clone()).await.unwrap();
     tokio::spawn(serve);
-    let feed = Feed::default();
+    let feed = Feed::with_snapshot();
     let streamer = Streamer::new(Box::new(feed.clone()), log, hub, StreamerOptions::default(), status.clone());
     tokio::spawn(streamer.run(stop_rx));
     let st = status.clone();
@@ -74,7 +74,7 @@ impl Server {
 
     /// A subscriber from the start of the log through `filters` (JSON).
     async fn subscribe(&self, filters: Option<Json>) -> Client {
-        let mut query = "id=f&taskID=t&replicaVersion=01&watermark=01".to_string();
+        let mut query = "id=f&taskID=t&replicaVersion=00&watermark=01".to_string();
         if let Some(f) = filters {
             query.push_str("&filters=");
             query.push_str(&encode(&f.to_string()));
@@ -339,7 +339,7 @@ async fn bad_filter_requests_are_refused_before_any_change() {
         ("not json", "invalid filters parameter"),
         ("[]", "the list is empty"),
     ] {
-        let query = format!("id=f&taskID=t&replicaVersion=01&watermark=01&filters={}", encode(filters));
+        let query = format!("id=f&taskID=t&replicaVersion=00&watermark=01&filters={}", encode(filters));
         let mut client = Client::connect(&s.addr, &query).await;
         // The close comes first: no status, no change.
         let first = tokio::time::timeout(WAIT, futures::StreamExt::next(&mut client.ws)).await.unwrap();

@@ -68,11 +68,6 @@ impl ZeroClient {
     }
 }
 
-fn free_port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
-}
-
 fn spawn_sluice(change_db: &str, addr: &str) -> Child {
     Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(["run", "--source", "mock-source", "--listen", addr, "--app-id", "interop"])
@@ -91,7 +86,7 @@ fn spawn_sluice(change_db: &str, addr: &str) -> Child {
 fn zeros_client_receives_every_transaction_once_across_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let db = format!("sqlite:{}", dir.path().join("log.db").display());
-    let addr = free_port();
+    let addr = common::process::free_addr();
     across_a_restart(&db, &addr, &format!("ws://{addr}/"));
 }
 
@@ -100,7 +95,7 @@ fn zeros_client_receives_every_transaction_once_across_a_restart() {
 #[test]
 fn zeros_client_discovers_sluice_from_the_change_db() {
     let url = common::pg_url();
-    let addr = free_port();
+    let addr = common::process::free_addr();
     // A fresh schema for this run.
     let status = Command::new("psql")
         .args(["-q", "-v", "ON_ERROR_STOP=1", &url, "-c", r#"DROP SCHEMA IF EXISTS "interop_0/cdc" CASCADE"#])
@@ -170,7 +165,7 @@ fn zeros_client_follows_the_postgres_source_across_a_kill() {
 
     let dir = tempfile::tempdir().unwrap();
     let change_db = format!("sqlite:{}", dir.path().join("log.db").display());
-    let addr = free_port();
+    let addr = common::process::free_addr();
     let config = serde_json::json!({ "url": url, "slot": "interop" }).to_string();
     let spawn = || {
         Command::new(env!("CARGO_BIN_EXE_sluice"))
@@ -236,18 +231,35 @@ fn wait_for_replica_version(addr: &str) -> String {
 }
 
 /// Zero's client on the zero-custom-source plugin: a custom upstream (Zero's
-/// custom change-source protocol, served by the test upstream) streams
-/// through a Sluice process that is SIGKILLed and restarted in the middle;
-/// the snapshot and every transaction arrive once, in order, and pass Zero's
-/// downstream schema.
+/// custom change-source protocol, served by the test upstream) streams a
+/// snapshot and 3,000 transactions through a Sluice process that is
+/// SIGKILLed and restarted in the middle; the snapshot and every transaction
+/// arrive once, in order, and pass Zero's downstream schema, and the upstream
+/// is acked up to the last commit.
 #[test]
 fn zeros_client_follows_a_custom_upstream_across_a_kill() {
+    custom_upstream_across_a_kill(false);
+}
+
+/// The same against an upstream that serves as zero-cache reads it: the
+/// snapshot alone on a connection without `lastWatermark`, the stream only
+/// on one with it.
+#[test]
+fn zeros_client_follows_a_zero_cache_style_custom_upstream_across_a_kill() {
+    custom_upstream_across_a_kill(true);
+}
+
+fn custom_upstream_across_a_kill(zero_cache_style: bool) {
     use common::custom_upstream::{event, snapshot, Tx, Upstream};
+    const EVENTS: i64 = 3050;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let up = rt.block_on(Upstream::start(snapshot(50)));
+    if zero_cache_style {
+        up.snapshot_only_on_initial();
+    }
     let dir = tempfile::tempdir().unwrap();
     let change_db = format!("sqlite:{}", dir.path().join("log.db").display());
-    let addr = free_port();
+    let addr = common::process::free_addr();
     let config = serde_json::json!({ "url": up.url(), "appID": "zero" }).to_string();
     let spawn = || {
         Command::new(env!("CARGO_BIN_EXE_sluice"))
@@ -264,32 +276,55 @@ fn zeros_client_follows_a_custom_upstream_across_a_kill() {
     let replica_version = wait_for_replica_version(&addr);
     assert_eq!(replica_version, common::custom_upstream::SNAPSHOT);
 
-    // 1 snapshot + 200 transactions; 250 events in all.
-    let client =
-        ZeroClient::spawn(&[&format!("ws://{addr}/"), replica_version.as_str(), "201", "zero", "events", "250"]);
+    // 1 snapshot (events 0..49) + one transaction per later event.
+    let commits = (EVENTS - 50 + 1).to_string();
+    let client = ZeroClient::spawn(&[
+        &format!("ws://{addr}/"),
+        replica_version.as_str(),
+        &commits,
+        "zero",
+        "events",
+        &EVENTS.to_string(),
+    ]);
     let lines = &client.lines;
+    let watermark = |id: i64| format!("1{id:04}");
     let write = |from: i64, to: i64| {
         for id in from..to {
-            up.append(Tx::new(&format!("1{id:04}"), &[event(id)]));
+            up.append(Tx::new(&watermark(id), &[event(id)]));
         }
     };
-    write(50, 150);
-    // Kill once the client has seen some of them, so it reconnects too.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap().starts_with("commit 10") {}
+    write(50, 1550);
+    // Kill in the middle, once the client has seen a thousand of them, so it
+    // reconnects too.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let middle = watermark(1000);
+    loop {
+        let line = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).unwrap();
+        if line.strip_prefix("commit ").is_some_and(|w| w.len() == middle.len() && *w >= *middle) {
+            break;
+        }
+    }
     sluice.kill().unwrap();
     sluice.wait().unwrap();
-    write(150, 200);
+    write(1550, 2300);
     let mut sluice = spawn();
-    write(200, 250);
+    write(2300, EVENTS);
 
     let (summary, status) = client.finish();
+    assert_eq!(summary["problems"], serde_json::json!([]), "{summary}");
+    assert_eq!(summary["commits"], EVENTS - 50 + 1, "{summary}");
+    assert!(status.success(), "{summary}");
+    // Acks reach the upstream up to the last commit.
+    let last = watermark(EVENTS - 1);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while up.acked().as_deref() != Some(last.as_str()) {
+        assert!(Instant::now() < deadline, "the upstream was acked up to {:?}, not {last}", up.acked());
+        std::thread::sleep(Duration::from_millis(20));
+    }
     sluice.kill().unwrap();
     sluice.wait().unwrap();
-    assert_eq!(summary["problems"], serde_json::json!([]), "{summary}");
-    assert_eq!(summary["commits"], 201, "{summary}");
-    assert!(status.success(), "{summary}");
-    // The restarted Sluice resumed the upstream where the log ended.
+    // The restarted Sluice resumed the upstream where the log ended; only
+    // the very first connection asked for a snapshot.
     let conns = up.connections();
     assert!(conns.len() >= 2, "{conns:?}");
     assert!(conns[1..].iter().all(|q| common::custom_upstream::param(q, "lastWatermark").is_some()), "{conns:?}");
@@ -312,7 +347,7 @@ fn zeros_client_follows_mariadb_across_a_kill() {
 
     let dir = tempfile::tempdir().unwrap();
     let change_db = format!("sqlite:{}", dir.path().join("log.db").display());
-    let addr = free_port();
+    let addr = common::process::free_addr();
     let config = m.config(&[db]).to_string();
     let spawn = || {
         Command::new(env!("CARGO_BIN_EXE_sluice"))

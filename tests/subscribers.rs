@@ -15,12 +15,13 @@ use sluice::cleanup::{purge_once, CleanupOptions};
 use sluice::hub::Hub;
 use sluice::server::AppState;
 use sluice::source::model::Message;
-use sluice::status::Status;
+use sluice::status::{LineageState, Status};
 use sluice::streamer::{Streamer, StreamerOptions};
 use tokio::sync::watch;
 use tokio_tungstenite::tungstenite::Message as Ws;
 
 on_both_backends!(
+    a_subscriber_before_the_snapshot_is_durable_is_closed_and_served_after,
     the_retention_window_holds_the_log_without_subscribers,
     a_catching_up_subscriber_past_its_backlog_limit_is_closed_and_catches_up_later,
     catches_up_from_the_log_then_continues_live,
@@ -49,6 +50,18 @@ struct Server {
 }
 
 async fn server_with(backend: Backend, limits: sluice::subscriber::Limits) -> Server {
+    let s = start_server(backend, limits, Feed::with_snapshot()).await;
+    // Subscribers are served once the source's snapshot is durable.
+    let st = s.status.clone();
+    wait_until("the snapshot to be stored", WAIT, || {
+        let rv = st.snapshot().replica_version;
+        async move { rv.is_some() }
+    })
+    .await;
+    s
+}
+
+async fn start_server(backend: Backend, limits: sluice::subscriber::Limits, feed: Feed) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let spec = LogSpec::new(backend, dir.path());
     let (log, reader) = spec.open();
@@ -65,18 +78,9 @@ async fn server_with(backend: Backend, limits: sluice::subscriber::Limits) -> Se
     let (addr, serve) =
         sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx.clone()).await.unwrap();
     tokio::spawn(serve);
-    let feed = Feed::default();
     let streamer = Streamer::new(Box::new(feed.clone()), log, hub.clone(), StreamerOptions::default(), status.clone());
     tokio::spawn(streamer.run(stop_rx));
-    let s = Server { addr: addr.to_string(), spec, status, hub, feed, stop, _dir: dir };
-    // The log exists once the first stream is open.
-    let st = s.status.clone();
-    wait_until("the stream to open", WAIT, || {
-        let rv = st.snapshot().replica_version;
-        async move { rv.is_some() }
-    })
-    .await;
-    s
+    Server { addr: addr.to_string(), spec, status, hub, feed, stop, _dir: dir }
 }
 
 async fn server(backend: Backend) -> Server {
@@ -95,11 +99,40 @@ impl Drop for Server {
     }
 }
 
+/// Until a lineage's first transaction (its snapshot) is durable, its replica
+/// version is neither reported nor recorded, and a subscriber is closed
+/// without an error, as by a Zero change-streamer that is not up yet: it
+/// retries, and is served once the snapshot is stored.
+async fn a_subscriber_before_the_snapshot_is_durable_is_closed_and_served_after(backend: Backend) {
+    // A plain feed (replica version 01) sends nothing until the test pushes.
+    let s = start_server(backend, sluice::subscriber::Limits::default(), Feed::default()).await;
+    let st = s.status.clone();
+    wait_until("the source to open", WAIT, || {
+        let snapshotting = matches!(st.snapshot().lineage, LineageState::Snapshotting { .. });
+        async move { snapshotting }
+    })
+    .await;
+    let body = serde_json::to_value(s.status.snapshot()).unwrap();
+    assert_eq!(body["replicaVersion"], serde_json::Value::Null, "{body}");
+    assert_eq!(body["lineage"], serde_json::json!({"state": "snapshotting", "tables": 0, "rows": 0}), "{body}");
+    let mut early = Client::subscribe_at(&s.addr, "01", "01").await;
+    assert_eq!(early.next().await, None, "closed, with no error message");
+    assert!(s.spec.rows().await.is_empty(), "nothing recorded before the snapshot is durable");
+
+    s.feed.tx("02", &[1]);
+    s.stored("02").await;
+    assert_eq!(s.status.snapshot().replica_version.as_deref(), Some("01"));
+    assert_eq!(s.status.snapshot().lineage, LineageState::Established);
+    assert_eq!(s.spec.replication().await, ("01".to_string(), "02".to_string(), false));
+    let mut c = Client::subscribe_at(&s.addr, "01", "01").await;
+    assert_eq!(c.take(4).await, ["status", "begin 02", "insert 1", "commit 02"]);
+}
+
 async fn catches_up_from_the_log_then_continues_live(backend: Backend) {
     let s = server(backend).await;
     s.feed.tx("09", &[1, 2]);
     s.stored("09").await;
-    let mut c = Client::subscribe(&s.addr, "01").await;
+    let mut c = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "01").await;
     assert_eq!(c.take(5).await, ["status", "begin 09", "insert 1", "insert 2", "commit 09"]);
     s.feed.push(begin("0b"));
     s.feed.push(delete(1));
@@ -111,7 +144,7 @@ async fn live_rollbacks_reach_subscribers(backend: Backend) {
     let s = server(backend).await;
     s.feed.tx("09", &[1]);
     s.stored("09").await;
-    let mut c = Client::subscribe(&s.addr, "01").await;
+    let mut c = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "01").await;
     assert_eq!(c.take(4).await, ["status", "begin 09", "insert 1", "commit 09"]);
     s.feed.push(begin("0a"));
     s.feed.push(delete(1));
@@ -126,7 +159,7 @@ async fn a_subscriber_ahead_of_the_log_gets_only_newer_transactions(backend: Bac
     let s = server(backend).await;
     s.feed.tx("09", &[1]);
     s.stored("09").await;
-    let mut c = Client::subscribe(&s.addr, "0b").await;
+    let mut c = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "0b").await;
     assert_eq!(c.take(1).await, ["status"]);
     s.feed.tx("0b", &[2]);
     s.feed.tx("0c", &[3]);
@@ -135,7 +168,7 @@ async fn a_subscriber_ahead_of_the_log_gets_only_newer_transactions(backend: Bac
 
 async fn live_and_caught_up_frames_are_byte_identical_with_big_integers_intact(backend: Backend) {
     let s = server(backend).await;
-    let mut live = Client::subscribe(&s.addr, "01").await;
+    let mut live = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "01").await;
     assert_eq!(live.take(1).await, ["status"]);
     s.feed.tx("05", &[7]);
     let mut from_live = Vec::new();
@@ -143,7 +176,7 @@ async fn live_and_caught_up_frames_are_byte_identical_with_big_integers_intact(b
         from_live.push(live.next().await.unwrap());
     }
     s.stored("05").await;
-    let mut replay = Client::subscribe(&s.addr, "01").await;
+    let mut replay = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "01").await;
     assert_eq!(replay.take(1).await, ["status"]);
     let mut from_log = Vec::new();
     for _ in 0..3 {
@@ -159,15 +192,16 @@ async fn status_first_or_watermark_too_old_after_a_purge(backend: Backend) {
         s.feed.tx(w, &[1]);
     }
     s.stored("08").await;
-    // Retention keeps the last three transactions: the seed rows go.
+    // Retention keeps the last three transactions: the seed rows and the
+    // (empty) snapshot go.
     let opts = CleanupOptions { retain_transactions: Some(3), ..CleanupOptions::default() };
     let (_, deleted) = tokio::task::block_in_place(|| purge_once(&s.hub, &opts)).unwrap();
-    assert_eq!(deleted, 2, "the two seed rows");
+    assert_eq!(deleted, 4, "the two seed rows and the snapshot's begin and commit");
     for w in ["04", "08"] {
-        let mut c = Client::subscribe(&s.addr, w).await;
+        let mut c = Client::subscribe_at(&s.addr, SNAPSHOT_RV, w).await;
         assert_eq!(c.take(1).await, ["status"], "subscriber at {w}");
     }
-    let mut old = Client::subscribe(&s.addr, "02").await;
+    let mut old = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "02").await;
     assert_eq!(old.take(1).await, ["error 2 earliest supported watermark is 04 (requested 02)"]);
     assert_eq!(old.close_reason().await.0, 1000);
 }
@@ -178,8 +212,8 @@ async fn purge_floor_is_the_slowest_ack_and_keeps_the_latest_transaction(backend
         s.feed.tx(w, &[1]);
     }
     s.stored("08").await;
-    let mut at6 = Client::subscribe(&s.addr, "06").await;
-    let mut at4 = Client::subscribe(&s.addr, "04").await;
+    let mut at6 = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "06").await;
+    let mut at4 = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "04").await;
     assert_eq!(at6.take(1).await, ["status"]);
     assert_eq!(at4.take(1).await, ["status"]);
     let opts = CleanupOptions::default();
@@ -200,20 +234,20 @@ async fn purge_floor_is_the_slowest_ack_and_keeps_the_latest_transaction(backend
     assert_eq!(floor.as_deref(), Some("08"));
     assert_eq!(s.spec.committed().await, ["08"], "only the latest transaction survives");
     drop((at4, at6));
-    let old = Client::subscribe(&s.addr, "04").await;
+    let old = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "04").await;
     let mut old = old;
     assert_eq!(old.take(1).await, ["error 2 earliest supported watermark is 08 (requested 04)"]);
 }
 
 async fn wrong_replica_version_is_an_error(backend: Backend) {
     let s = server(backend).await;
-    let mut c = Client::connect(&s.addr, "id=x&replicaVersion=01foobar&watermark=01").await;
-    assert_eq!(c.take(1).await, ["error 1 current replica version is 01 (requested 01foobar)"]);
+    let mut c = Client::connect(&s.addr, "id=x&replicaVersion=00foobar&watermark=01").await;
+    assert_eq!(c.take(1).await, ["error 1 current replica version is 00 (requested 00foobar)"]);
 }
 
 async fn a_dying_source_rolls_back_the_open_transaction_exactly_once(backend: Backend) {
     let s = server(backend).await;
-    let mut c = Client::subscribe(&s.addr, "01").await;
+    let mut c = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "01").await;
     assert_eq!(c.take(1).await, ["status"]);
     s.feed.push(begin("09"));
     s.feed.push(insert(1));
@@ -240,7 +274,7 @@ async fn subscribers_joining_mid_transaction_get_each_transaction_once(backend: 
     for i in 0..20u64 {
         let w = lexi(i * 5 + 10);
         s.feed.tx(&w, &[i as i64, i as i64 + 100]);
-        clients.push(Client::subscribe(&s.addr, "03").await);
+        clients.push(Client::subscribe_at(&s.addr, SNAPSHOT_RV, "03").await);
     }
     let last = lexi(19 * 5 + 10);
     for (n, c) in clients.iter_mut().enumerate() {
@@ -263,9 +297,9 @@ async fn subscribers_joining_mid_transaction_get_each_transaction_once(backend: 
 async fn a_subscriber_that_stops_reading_does_not_hold_the_others(backend: Backend) {
     let limits = sluice::subscriber::Limits { pending_bytes: 256 << 10, ..Default::default() };
     let s = server_with(backend, limits).await;
-    let mut stuck = Client::subscribe(&s.addr, "01").await;
+    let mut stuck = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "01").await;
     assert_eq!(stuck.take(1).await, ["status"]);
-    let mut reader = Client::subscribe(&s.addr, "01").await;
+    let mut reader = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "01").await;
     assert_eq!(reader.take(1).await, ["status"]);
     for i in 0..400u64 {
         s.feed.tx(&lexi(i + 2), &[i as i64; 10]);
@@ -302,7 +336,7 @@ async fn bad_requests_close_with_zeros_reasons(backend: Backend) {
         ("/replication/v6/changes", "Error: invalid querystring - missing id"),
         ("/replication/v6/changes?id=foo", "Error: invalid querystring - missing replicaVersion"),
         (
-            "/replication/v6/changes?id=foo&replicaVersion=01&initial=true&taskID=t",
+            "/replication/v6/changes?id=foo&replicaVersion=00&initial=true&taskID=t",
             "Error: invalid querystring - missing watermark",
         ),
         ("/replication/v7/changes", "Error: Cannot service client at protocol v7. Supported protocols: [v1 ... v6]"),
@@ -331,7 +365,7 @@ async fn reqwest_get(addr: &str, path: &str) -> String {
 
 async fn an_out_of_order_ack_closes_the_stream(backend: Backend) {
     let s = server(backend).await;
-    let url = format!("ws://{}/replication/v6/changes?id=x&replicaVersion=01&watermark=01", s.addr);
+    let url = format!("ws://{}/replication/v6/changes?id=x&replicaVersion=00&watermark=01", s.addr);
     let (mut ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await.unwrap();
     let _status = ws.next().await.unwrap().unwrap();
     ws.send(Ws::Text("{\"ack\":5}".into())).await.unwrap();
@@ -342,9 +376,9 @@ async fn an_out_of_order_ack_closes_the_stream(backend: Backend) {
 
 async fn an_oversized_subscriber_message_is_refused_and_the_others_continue(backend: Backend) {
     let s = server(backend).await;
-    let mut other = Client::subscribe(&s.addr, "01").await;
+    let mut other = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "01").await;
     assert_eq!(other.take(1).await, ["status"]);
-    let url = format!("ws://{}/replication/v6/changes?id=big&replicaVersion=01&watermark=01", s.addr);
+    let url = format!("ws://{}/replication/v6/changes?id=big&replicaVersion=00&watermark=01", s.addr);
     let (mut ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await.unwrap();
     let _status = ws.next().await.unwrap().unwrap();
     let big = format!("{{\"ack\":{}}}", "1".repeat(sluice::server::changes::MAX_SUBSCRIBER_MESSAGE));
@@ -383,7 +417,7 @@ async fn a_catching_up_subscriber_past_its_backlog_limit_is_closed_and_catches_u
     }
     let stored_last = lexi(6001);
     s.stored(&stored_last).await;
-    let mut c = Client::subscribe(&s.addr, "01").await;
+    let mut c = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "01").await;
     let st = s.status.clone();
     wait_until("the subscriber to be registered", WAIT, || {
         let n = st.snapshot().subscribers;
@@ -403,7 +437,7 @@ async fn a_catching_up_subscriber_past_its_backlog_limit_is_closed_and_catches_u
     assert!(!got.contains(&format!("commit {}", lexi(7049))), "closed before the live tail");
     s.stored(&lexi(7049)).await;
     let from = got.iter().rev().find_map(|m| m.strip_prefix("commit ")).unwrap_or("01").to_string();
-    let mut again = Client::subscribe(&s.addr, &from).await;
+    let mut again = Client::subscribe_at(&s.addr, SNAPSHOT_RV, &from).await;
     let mut last = String::new();
     while last != format!("commit {}", lexi(7049)) {
         last = summary(&again.next().await.unwrap());

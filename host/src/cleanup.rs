@@ -37,6 +37,9 @@ impl Default for CleanupOptions {
 /// One purge pass. Returns the floor used and the rows deleted.
 /// Blocking: run it on a blocking thread.
 pub fn purge_once(hub: &Hub, options: &CleanupOptions) -> anyhow::Result<(Option<String>, u64)> {
+    // While a lineage is being established the log may be replaced under
+    // any floor computed now.
+    let Some(replica_version) = hub.replica_version() else { return Ok((None, 0)) };
     let reader = hub.reader();
     let bounds = reader.bounds()?;
     let mut floor = match hub.min_ack() {
@@ -51,7 +54,7 @@ pub fn purge_once(hub: &Hub, options: &CleanupOptions) -> anyhow::Result<(Option
     if bounds.min_watermark.as_deref().is_some_and(|min| min >= floor.as_str()) {
         return Ok((Some(floor), 0));
     }
-    let deleted = reader.purge_before(&floor)?;
+    let deleted = reader.purge_before(&floor, &replica_version)?;
     Ok((Some(floor), deleted))
 }
 

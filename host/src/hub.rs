@@ -103,19 +103,25 @@ impl Hub {
         &self.reader
     }
 
-    /// The lineage subscribers must be on. A change closes everyone (they
-    /// reconnect and learn the new version).
-    pub fn set_replica_version(&self, rv: &str) {
+    /// The lineage subscribers must be on, or `None` while a lineage is
+    /// being established (nothing is served then). A change closes everyone:
+    /// they reconnect and learn the new version.
+    pub fn set_replica_version(&self, rv: Option<&str>) {
         let mut inner = self.lock();
-        if inner.replica_version.as_deref() != Some(rv) {
+        if inner.replica_version.as_deref() != rv {
             if inner.replica_version.is_some() {
                 for s in inner.forwarder.subscribers() {
                     s.close(None);
                 }
                 inner.forwarder = Forwarder::default();
             }
-            inner.replica_version = Some(rv.to_string());
+            inner.replica_version = rv.map(str::to_string);
         }
+    }
+
+    /// The lineage being served, if one is established.
+    pub fn replica_version(&self) -> Option<String> {
+        self.lock().replica_version.clone()
     }
 
     pub fn storer_started(&self, queue: CatchupQueue) {
@@ -166,7 +172,12 @@ impl Hub {
     pub fn subscribe(&self, sub: Arc<Subscriber>, replica_version: &str) {
         let mut inner = self.lock();
         let Some(rv) = inner.replica_version.clone() else {
-            tracing::info!(subscriber = %sub.id, "no change log yet; closing so the subscriber retries");
+            // As a Zero change-streamer that is not up yet: no error, the
+            // subscriber retries.
+            tracing::info!(
+                subscriber = %sub.id,
+                "no replica version is served yet (the lineage's snapshot is not durable); closing so the subscriber retries"
+            );
             sub.close(None);
             return;
         };

@@ -22,11 +22,34 @@ pub enum SourceState {
     },
 }
 
+/// Where the lineage subscribers follow stands.
+#[derive(Debug, Clone, Serialize, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", tag = "state")]
+pub enum LineageState {
+    /// Nothing is known yet (the change log is empty and the source has not
+    /// been opened).
+    #[default]
+    None,
+    /// A new lineage's first transaction (the snapshot) is being stored.
+    /// Its replica version is not reported and no subscriber is accepted
+    /// until it is durable: a restart now would begin another lineage.
+    Snapshotting {
+        /// Tables begun (`create-table` changes received).
+        tables: u64,
+        /// Rows received so far.
+        rows: u64,
+    },
+    /// The snapshot is durable: `replicaVersion` is served.
+    Established,
+}
+
 #[derive(Debug, Clone, Serialize, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct Snapshot {
     pub source_name: String,
+    /// Set only once the lineage is established (see [`LineageState`]).
     pub replica_version: Option<String>,
+    pub lineage: LineageState,
     pub last_watermark: Option<String>,
     pub min_watermark: Option<String>,
     /// Transactions stored since start.
@@ -38,6 +61,10 @@ pub struct Snapshot {
     /// log from another host is under way, or a storer is draining.
     pub held_subscribers: usize,
     pub source: SourceState,
+    /// While the source is running: milliseconds since it last sent a
+    /// message (a stalled upstream shows here instead of looking healthy).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source_idle_ms: Option<u64>,
     pub reset_required: bool,
     /// Why the upstream required a reset, when it did in this run.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -66,6 +93,12 @@ pub struct Status {
     loop_ns: AtomicU64,
     write_ns: AtomicU64,
     commit_ns: AtomicU64,
+    /// When the source last sent a message (ms since the Unix epoch; 0: never).
+    source_message_ms: AtomicU64,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// A pipeline stage whose time is counted.
@@ -91,7 +124,15 @@ impl Status {
             write_ns: self.write_ns.load(Ordering::Relaxed),
             commit_ns: self.commit_ns.load(Ordering::Relaxed),
         };
+        let last = self.source_message_ms.load(Ordering::Relaxed);
+        s.source_idle_ms =
+            (matches!(s.source, SourceState::Running) && last > 0).then(|| now_ms().saturating_sub(last));
         s
+    }
+
+    /// The source just sent something (or was opened).
+    pub fn source_message(&self) {
+        self.source_message_ms.store(now_ms(), Ordering::Relaxed);
     }
 
     /// Adds the time since `since` to a stage.

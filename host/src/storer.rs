@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, Notify};
 use crate::catchup;
 use crate::change::{Change, Kind};
 use crate::status::{Stage, Status};
-use crate::storage::{ChangeLog, LogReader, LogRow};
+use crate::storage::{ChangeLog, LogReader, LogRow, NewLineage};
 use crate::subscriber::Subscriber;
 
 /// Tuning of the storer.
@@ -51,6 +51,21 @@ enum Command {
     /// Catch a subscriber up once everything queued before it is durable.
     Catchup(Arc<Subscriber>, String),
 }
+
+/// A lineage whose first transaction (its snapshot) is not durable yet.
+pub struct Establish {
+    /// Written in the storage transaction of the first commit, when the log
+    /// is to hold a new lineage: the replica version becomes durable (and
+    /// discoverable) together with its snapshot.
+    pub lineage: Option<NewLineage>,
+    /// Called with the watermark once that commit is durable, before the
+    /// storer reports it anywhere else (`/status`, the loop), so whatever
+    /// sees the snapshot stored also sees the lineage served.
+    pub on_durable: OnEstablished,
+}
+
+/// Called with the snapshot's watermark once a new lineage is durable.
+pub type OnEstablished = Box<dyn FnOnce(&str) + Send>;
 
 /// Lets the hub queue catch-ups in stream order.
 #[derive(Clone)]
@@ -108,11 +123,14 @@ pub struct StorerExit {
 }
 
 impl Storer {
-    /// Starts a storer over `log`. Durable commit watermarks are sent to `durable`.
+    /// Starts a storer over `log`. Durable commit watermarks are sent to
+    /// `durable`. With `establish`, the first storage commit establishes a
+    /// lineage (see [`Establish`]).
     pub fn start(
         log: Box<dyn ChangeLog>,
         reader: Arc<dyn LogReader>,
         options: StorerOptions,
+        establish: Option<Establish>,
         durable: mpsc::UnboundedSender<Arc<str>>,
         status: Arc<Status>,
     ) -> Storer {
@@ -128,6 +146,10 @@ impl Storer {
         let worker_exited = exited.clone();
         let thread = tokio::task::spawn_blocking(move || {
             let mut worker = Worker::new(log, reader, options, durable, status, worker_budget);
+            if let Some(e) = establish {
+                worker.lineage = e.lineage;
+                worker.on_established = Some(e.on_durable);
+            }
             let result = worker.run(&mut rx);
             // Catch-ups this storer will never serve: their subscribers are
             // already forwarded to, so they must reconnect rather than wait.
@@ -252,6 +274,11 @@ struct Worker {
     durable: mpsc::UnboundedSender<Arc<str>>,
     status: Arc<Status>,
     budget: Arc<Budget>,
+    /// A lineage to start in the next storage transaction; cleared once a
+    /// storage transaction holding it commits (a rolled-back one takes it
+    /// along, so the next one starts it again).
+    lineage: Option<NewLineage>,
+    on_established: Option<OnEstablished>,
     /// A storage transaction is open.
     storage_open: bool,
     /// Upstream transactions committed inside the open storage transaction.
@@ -282,6 +309,8 @@ impl Worker {
             durable,
             status,
             budget,
+            lineage: None,
+            on_established: None,
             storage_open: false,
             group_transactions: 0,
             group_changes: 0,
@@ -326,7 +355,14 @@ impl Worker {
                     if self.storage_open && self.current.is_none() {
                         self.commit_group()?;
                     }
-                    self.log.mark_reset_required()?;
+                    if self.lineage.is_some() {
+                        // The log still holds the lineage being replaced, which
+                        // this request is not about; the upstream repeats it
+                        // when the new one is reopened.
+                        tracing::warn!("reset required before the new lineage's snapshot was stored; not recorded");
+                    } else {
+                        self.log.mark_reset_required()?;
+                    }
                 }
             }
             if !self.catchups.is_empty() && self.current.is_none() {
@@ -348,6 +384,9 @@ impl Worker {
                 if !self.storage_open {
                     self.log.begin()?;
                     self.storage_open = true;
+                    if let Some(lineage) = &self.lineage {
+                        self.log.start_lineage(lineage)?;
+                    }
                 }
                 self.current = Some(CurrentTx {
                     watermark: watermark.clone(),
@@ -504,6 +543,10 @@ impl Worker {
         self.log.commit(&last).with_context(|| format!("committing the change log through {last}"))?;
         self.status.count(Stage::Commit, t);
         self.storage_open = false;
+        self.lineage = None;
+        if let Some(established) = self.on_established.take() {
+            established(&last);
+        }
         let (txs, changes) = (self.group_transactions as u64, self.group_changes);
         self.reset_group();
         self.status.update(|s| {

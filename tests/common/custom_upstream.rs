@@ -3,9 +3,11 @@
 //! real socket, from a history of transactions the test controls.
 //!
 //! A connection without `lastWatermark` gets the initial snapshot and then
-//! the whole history; one with `lastWatermark=L` gets every transaction after
-//! `L`. Transactions appended later are streamed live. Faults are one-shot:
-//! cut the connection inside a transaction, or send a malformed frame.
+//! the whole history (or, in zero-cache's style, see
+//! [`Upstream::snapshot_only_on_initial`], the snapshot alone); one with
+//! `lastWatermark=L` gets every transaction after `L`. Transactions appended
+//! later are streamed live. Faults are one-shot: cut the connection inside a
+//! transaction, or send a malformed frame.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -59,6 +61,7 @@ struct State {
     /// Text frames the client sent (upstream acks).
     received: Vec<String>,
     faults: Vec<Fault>,
+    snapshot_only_on_initial: bool,
 }
 
 #[derive(Clone)]
@@ -120,6 +123,22 @@ impl Upstream {
         self.append(Tx { watermark: watermark.to_string(), frames: vec![frame] });
     }
 
+    /// Serve as a server written for zero-cache may: a connection without
+    /// `lastWatermark` gets the snapshot and nothing more (zero-cache reads
+    /// one transaction there, then resumes on a new connection).
+    pub fn snapshot_only_on_initial(&self) {
+        self.state.lock().unwrap().snapshot_only_on_initial = true;
+    }
+
+    /// The highest watermark the client acked with a commit status.
+    pub fn acked(&self) -> Option<String> {
+        self.received()
+            .iter()
+            .filter(|f| f[0] == "status" && f[1]["tag"] == "commit")
+            .filter_map(|f| f[2]["watermark"].as_str().map(str::to_string))
+            .max()
+    }
+
     pub fn fault(&self, f: Fault) {
         self.state.lock().unwrap().faults.push(f);
     }
@@ -149,6 +168,8 @@ impl Upstream {
                 pending.extend(st.snapshot.clone());
             }
             match &last {
+                // Never reaches the history.
+                None if st.snapshot_only_on_initial => usize::MAX,
                 None => 0,
                 Some(l) => {
                     st.history.iter().position(|t| t.watermark.as_str() > l.as_str()).unwrap_or(st.history.len())
@@ -158,7 +179,7 @@ impl Upstream {
         loop {
             // Everything appended so far, then wait for more.
             let wake = self.appended.notified();
-            {
+            if next != usize::MAX {
                 let st = self.state.lock().unwrap();
                 pending.extend(st.history[next..].iter().cloned());
                 next = st.history.len();

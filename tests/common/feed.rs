@@ -17,9 +17,23 @@ pub struct Feed {
     pub opens: Arc<Mutex<Vec<Option<String>>>>,
     /// Every watermark the host acked, in order.
     pub acks: Arc<Mutex<Vec<String>>>,
+    /// See [`Feed::with_snapshot`].
+    pub snapshot: bool,
 }
 
+/// The replica version of a [`Feed::with_snapshot`] source, and its snapshot.
+pub const SNAPSHOT_RV: &str = "00";
+pub const SNAPSHOT: &str = "01";
+
 impl Feed {
+    /// A source like a real one: replica version `00`, and a fresh open
+    /// (no snapshot stored yet) streams an empty snapshot transaction at `01`
+    /// first, which establishes the lineage (subscribers are served from then
+    /// on). The plain feed (replica version `01`) sends only what is pushed.
+    pub fn with_snapshot() -> Feed {
+        Feed { snapshot: true, ..Feed::default() }
+    }
+
     pub fn push(&self, m: Message) {
         self.items.lock().unwrap().push_back(Some(m));
     }
@@ -37,14 +51,29 @@ impl Feed {
 
 struct FeedStream(Feed);
 
+impl FeedStream {
+    fn rv(&self) -> &'static str {
+        if self.0.snapshot {
+            SNAPSHOT_RV
+        } else {
+            "01"
+        }
+    }
+}
+
 #[async_trait]
 impl ChangeSource for Feed {
     fn name(&self) -> &str {
         "feed"
     }
     async fn open(&mut self, resume: Option<Resume<'_>>) -> Result<Box<dyn ChangeStream>, SourceError> {
+        let fresh = resume.is_none_or(|r| r.watermark == r.replica_version);
         self.opens.lock().unwrap().push(resume.map(|r| r.watermark.to_string()));
         let mut items = self.items.lock().unwrap();
+        if self.snapshot && fresh {
+            items.push_front(Some(commit(SNAPSHOT)));
+            items.push_front(Some(begin(SNAPSHOT)));
+        }
         items.push_front(Some(relation()));
         Ok(Box::new(FeedStream(self.clone())))
     }
@@ -53,7 +82,7 @@ impl ChangeSource for Feed {
 #[async_trait]
 impl ChangeStream for FeedStream {
     fn replica_version(&self) -> &str {
-        "01"
+        self.rv()
     }
     async fn next_batch(&mut self, _max: u32) -> Result<Vec<Message>, SourceError> {
         let next = self.0.items.lock().unwrap().pop_front();

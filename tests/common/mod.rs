@@ -5,6 +5,7 @@ pub mod custom_upstream;
 pub mod feed;
 pub mod mariadb;
 pub mod pgserver;
+pub mod process;
 pub mod replica;
 pub mod ws;
 
@@ -251,6 +252,40 @@ impl LogSpec {
                 let st =
                     c.query_one(&format!(r#"SELECT "lastWatermark" FROM {s}."replicationState""#), &[]).await.unwrap();
                 (cfg.get(0), st.get(0), cfg.get::<_, Option<bool>>(1).unwrap_or(false))
+            }
+        }
+    }
+
+    /// (replicaVersion, lastWatermark) as recorded, or `None` where the log
+    /// records no lineage (or does not exist yet).
+    pub async fn lineage(&self) -> Option<(String, String)> {
+        match self.backend {
+            Backend::Sqlite => {
+                let c = Connection::open(&self.sqlite).ok()?;
+                c.query_row(
+                    r#"SELECT c.replicaVersion, s.lastWatermark FROM "replicationConfig" c, "replicationState" s"#,
+                    [],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .ok()
+            }
+            Backend::Postgres => {
+                let c = self.pg_client().await;
+                let s = self.schema();
+                let sql = format!(
+                    r#"SELECT c."replicaVersion", s."lastWatermark" FROM {s}."replicationConfig" c, {s}."replicationState" s"#
+                );
+                match c.query_opt(&sql, &[]).await {
+                    Ok(row) => row.map(|r| (r.get(0), r.get(1))),
+                    // Killed before it created its schema or tables.
+                    Err(e)
+                        if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE)
+                            || e.code() == Some(&tokio_postgres::error::SqlState::INVALID_SCHEMA_NAME) =>
+                    {
+                        None
+                    }
+                    Err(e) => panic!("{sql}: {e} {:?}", e.as_db_error()),
+                }
             }
         }
     }

@@ -49,6 +49,23 @@ pub struct LogState {
     pub owner: Option<String>,
 }
 
+/// A lineage the storer writes with its first transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewLineage {
+    pub replica_version: String,
+    /// The owning task and the address subscribers reach it at.
+    pub owner: String,
+    pub owner_address: String,
+}
+
+impl LogState {
+    /// The lineage's first transaction (its snapshot) is durable: only then
+    /// is the replica version a promise that subscribers may hold.
+    pub fn established(&self) -> bool {
+        self.last_watermark.as_str() > self.replica_version.as_str()
+    }
+}
+
 /// Earliest and latest watermarks a subscriber can catch up between.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bounds {
@@ -67,7 +84,17 @@ pub trait ChangeLog: Send {
     /// Empties the log and seeds it for `replica_version`: the two initial
     /// rows (begin at pos 0, commit at pos 1) that make a subscriber at the
     /// replica version servable, and `lastWatermark = replica_version`.
+    /// Committed at once, with no owner; for tests and tools. The replication
+    /// loop uses [`ChangeLog::start_lineage`] instead.
     fn reset(&mut self, replica_version: &str) -> anyhow::Result<()>;
+
+    /// Inside the open storage transaction: empties the log and seeds it for
+    /// a new lineage as [`ChangeLog::reset`] does, with `lineage.owner` as
+    /// its owner. Nothing of it is visible before the storage transaction
+    /// commits, and the storer commits it together with the lineage's first
+    /// transaction (the snapshot): a replica version is never recorded, and
+    /// so never discovered, before its snapshot is durable.
+    fn start_lineage(&mut self, lineage: &NewLineage) -> anyhow::Result<()>;
 
     /// Records that the upstream asked for a reset (`control reset-required`).
     fn mark_reset_required(&mut self) -> anyhow::Result<()>;
@@ -119,9 +146,11 @@ pub trait LogSnapshot: Send {
 pub trait LogReader: Send + Sync {
     fn snapshot(&self) -> anyhow::Result<Box<dyn LogSnapshot>>;
     fn bounds(&self) -> anyhow::Result<Bounds>;
-    /// Deletes transactions below `floor`, always keeping the newest one.
+    /// Deletes transactions below `floor`, always keeping the newest one,
+    /// and only while the log is still on `replica_version` (the floor was
+    /// computed for that lineage; a new one may have replaced it since).
     /// Returns the number of rows deleted.
-    fn purge_before(&self, floor: &str) -> anyhow::Result<u64>;
+    fn purge_before(&self, floor: &str, replica_version: &str) -> anyhow::Result<u64>;
     /// The oldest commit watermark a retention window keeps: the newest
     /// `transactions` transactions, and those stored within `age`.
     fn retention_floor(

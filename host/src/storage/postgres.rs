@@ -19,7 +19,7 @@ use tokio::runtime::Handle;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, NoTls};
 
-use super::{Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, StorageError, StoredRow};
+use super::{Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, NewLineage, StorageError, StoredRow};
 
 /// The current schema version of Zero's change DB, and the oldest it reads.
 const SCHEMA_VERSION: i32 = 6;
@@ -280,42 +280,8 @@ impl ChangeLog for PostgresChangeLog {
         let s = self.schema.clone();
         let rv = replica_version.to_string();
         self.run(async |c| {
-            // Zero's ensureReplicationConfig, in its lock order.
-            c.batch_execute("BEGIN").await?;
-            let result = async {
-                c.batch_execute(&format!(
-                    r#"TRUNCATE TABLE {s}."replicationState";
-                       TRUNCATE TABLE {s}."changeLog";
-                       TRUNCATE TABLE {s}."replicationConfig";
-                       TRUNCATE TABLE {s}."tableMetadata";
-                       TRUNCATE TABLE {s}."backfilling";"#
-                ))
-                .await?;
-                c.execute(
-                    &format!(r#"INSERT INTO {s}."replicationConfig" ("replicaVersion", "publications") VALUES ($1, '{{}}')"#),
-                    &[&rv],
-                )
-                .await?;
-                c.execute(
-                    &format!(
-                        r#"INSERT INTO {s}."replicationState" ("lastWatermark", "owner", "ownerAddress") VALUES ($1, NULL, NULL)
-                           ON CONFLICT ("lock") DO UPDATE SET "lastWatermark" = $1, "owner" = NULL, "ownerAddress" = NULL"#
-                    ),
-                    &[&rv],
-                )
-                .await?;
-                c.execute(
-                    &format!(
-                        r#"INSERT INTO {s}."changeLog" (watermark, pos, change) VALUES
-                           ($1, 0, '{{"tag":"begin"}}'), ($1, 1, '{{"tag":"commit"}}')"#
-                    ),
-                    &[&rv],
-                )
-                .await?;
-                Ok::<_, tokio_postgres::Error>(())
-            }
-            .await;
-            match result {
+            c.batch_execute("BEGIN").await.map_err(|e| classify(e, "BEGIN"))?;
+            match seed_lineage(c, &s, &rv, None).await {
                 Ok(()) => c.batch_execute("COMMIT").await.map_err(|e| classify(e, "resetting the change DB")),
                 Err(e) => {
                     let _ = c.batch_execute("ROLLBACK").await;
@@ -323,6 +289,21 @@ impl ChangeLog for PostgresChangeLog {
                 }
             }
         })
+    }
+
+    fn start_lineage(&mut self, lineage: &NewLineage) -> anyhow::Result<()> {
+        anyhow::ensure!(self.in_transaction, "a lineage starts inside a storage transaction");
+        let s = self.schema.clone();
+        let owner = (lineage.owner.as_str(), lineage.owner_address.as_str());
+        self.run(async |c| {
+            seed_lineage(c, &s, &lineage.replica_version, Some(owner))
+                .await
+                .map_err(|e| classify(e, &format!("starting lineage {}", lineage.replica_version)))
+        })?;
+        // The tables were emptied under this transaction's locks: whoever
+        // owned the old lineage, the new one is this host's.
+        self.owner_at_begin = Some(Some(lineage.owner.clone()));
+        Ok(())
     }
 
     fn mark_reset_required(&mut self) -> anyhow::Result<()> {
@@ -357,11 +338,12 @@ impl ChangeLog for PostgresChangeLog {
         let owner = self.run(async |c| {
             c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED").await.map_err(|e| classify(e, "BEGIN"))?;
             // Lock the row first: a takeover now waits for this transaction.
+            // No row yet: a new change DB, whose lineage this transaction starts.
             let row = c
-                .query_one(&format!(r#"SELECT "owner" FROM {s}."replicationState" FOR UPDATE"#), &[])
+                .query_opt(&format!(r#"SELECT "owner" FROM {s}."replicationState" FOR UPDATE"#), &[])
                 .await
                 .map_err(|e| classify(e, "locking replicationState"))?;
-            Ok(row.get::<_, Option<String>>(0))
+            Ok(row.and_then(|r| r.get::<_, Option<String>>(0)))
         });
         match owner {
             Ok(owner) => {
@@ -501,6 +483,42 @@ fn copy_rows(rows: &[LogRow<'_>]) -> anyhow::Result<bytes::Bytes> {
     Ok(out.freeze())
 }
 
+/// Empties the change DB's tables and seeds them for `rv` (Zero's
+/// ensureReplicationConfig, in its lock order), on whatever transaction `c`
+/// is in.
+async fn seed_lineage(c: &Client, s: &str, rv: &str, owner: Option<(&str, &str)>) -> Result<(), tokio_postgres::Error> {
+    c.batch_execute(&format!(
+        r#"TRUNCATE TABLE {s}."replicationState";
+           TRUNCATE TABLE {s}."changeLog";
+           TRUNCATE TABLE {s}."replicationConfig";
+           TRUNCATE TABLE {s}."tableMetadata";
+           TRUNCATE TABLE {s}."backfilling";"#
+    ))
+    .await?;
+    c.execute(
+        &format!(r#"INSERT INTO {s}."replicationConfig" ("replicaVersion", "publications") VALUES ($1, '{{}}')"#),
+        &[&rv],
+    )
+    .await?;
+    let (owner, address) = owner.unzip();
+    c.execute(
+        &format!(
+            r#"INSERT INTO {s}."replicationState" ("lastWatermark", "owner", "ownerAddress") VALUES ($1, $2, $3)"#
+        ),
+        &[&rv, &owner, &address],
+    )
+    .await?;
+    c.execute(
+        &format!(
+            r#"INSERT INTO {s}."changeLog" (watermark, pos, change) VALUES
+               ($1, 0, '{{"tag":"begin"}}'), ($1, 1, '{{"tag":"commit"}}')"#
+        ),
+        &[&rv],
+    )
+    .await?;
+    Ok(())
+}
+
 async fn bounds(c: &Client, s: &str) -> anyhow::Result<Bounds> {
     let min = c
         .query_one(&format!(r#"SELECT min(watermark) FROM {s}."changeLog""#), &[])
@@ -628,10 +646,11 @@ impl LogReader for PostgresReader {
     /// Zero's purgeRecordsBefore: fail fast if a purge lock holds the first
     /// row, delete below the floor but never the newest transaction, and
     /// re-check ownership in the same transaction.
-    fn purge_before(&self, floor: &str) -> anyhow::Result<u64> {
+    fn purge_before(&self, floor: &str, replica_version: &str) -> anyhow::Result<u64> {
         let s = self.schema.clone();
         let settings = self.settings.clone();
         let floor = floor.to_string();
+        let rv = replica_version.to_string();
         self.rt.block_on(async {
             let c = settings.connect().await?;
             c.batch_execute("BEGIN").await?;
@@ -648,9 +667,10 @@ impl LogReader for PostgresReader {
                     .execute(
                         &format!(
                             r#"DELETE FROM {s}."changeLog" WHERE watermark < $1
-                               AND watermark < (SELECT max(watermark) FROM {s}."changeLog")"#
+                               AND watermark < (SELECT max(watermark) FROM {s}."changeLog")
+                               AND (SELECT "replicaVersion" FROM {s}."replicationConfig") = $2"#
                         ),
-                        &[&floor],
+                        &[&floor, &rv],
                     )
                     .await
                     .map_err(|e| classify(e, "purging the change log"))?;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::{Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, StoredRow, BATCH_ROWS};
+use super::{Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, NewLineage, StoredRow, BATCH_ROWS};
 
 const SCHEMA_VERSION: i64 = 1;
 
@@ -85,6 +85,24 @@ impl SqliteChangeLog {
     }
 }
 
+/// Empties the log and seeds it for `replica_version` (see `ChangeLog::reset`),
+/// on whatever transaction `conn` is in.
+fn seed_lineage(conn: &Connection, replica_version: &str, owner: Option<(&str, &str)>) -> rusqlite::Result<()> {
+    conn.execute_batch(r#"DELETE FROM "replicationState"; DELETE FROM "changeLog"; DELETE FROM "replicationConfig";"#)?;
+    conn.execute(r#"INSERT INTO "replicationConfig" (replicaVersion) VALUES (?)"#, [replica_version])?;
+    let (owner, address) = owner.unzip();
+    conn.execute(
+        r#"INSERT INTO "replicationState" (lastWatermark, owner, ownerAddress) VALUES (?, ?, ?)"#,
+        params![replica_version, owner, address],
+    )?;
+    conn.execute(
+        r#"INSERT INTO "changeLog" (watermark, pos, tag, change, precommit) VALUES
+           (?1, 0, 'begin', '{"tag":"begin"}', NULL), (?1, 1, 'commit', '{"tag":"commit"}', ?1)"#,
+        [replica_version],
+    )?;
+    Ok(())
+}
+
 impl ChangeLog for SqliteChangeLog {
     fn state(&mut self) -> anyhow::Result<Option<LogState>> {
         let config: Option<(String, bool)> = self
@@ -106,18 +124,15 @@ impl ChangeLog for SqliteChangeLog {
 
     fn reset(&mut self, replica_version: &str) -> anyhow::Result<()> {
         let tx = self.conn.transaction()?;
-        tx.execute_batch(
-            r#"DELETE FROM "replicationState"; DELETE FROM "changeLog"; DELETE FROM "replicationConfig";"#,
-        )?;
-        tx.execute(r#"INSERT INTO "replicationConfig" (replicaVersion) VALUES (?)"#, [replica_version])?;
-        tx.execute(r#"INSERT INTO "replicationState" (lastWatermark) VALUES (?)"#, [replica_version])?;
-        tx.execute(
-            r#"INSERT INTO "changeLog" (watermark, pos, tag, change, precommit) VALUES
-               (?1, 0, 'begin', '{"tag":"begin"}', NULL), (?1, 1, 'commit', '{"tag":"commit"}', ?1)"#,
-            [replica_version],
-        )?;
+        seed_lineage(&tx, replica_version, None)?;
         tx.commit()?;
         Ok(())
+    }
+
+    fn start_lineage(&mut self, lineage: &NewLineage) -> anyhow::Result<()> {
+        anyhow::ensure!(!self.conn.is_autocommit(), "a lineage starts inside a storage transaction");
+        seed_lineage(&self.conn, &lineage.replica_version, Some((&lineage.owner, &lineage.owner_address)))
+            .with_context(|| format!("starting lineage {}", lineage.replica_version))
     }
 
     fn mark_reset_required(&mut self) -> anyhow::Result<()> {
@@ -275,12 +290,13 @@ impl LogReader for SqliteReader {
         Ok(Bounds { min_watermark, last_watermark })
     }
 
-    fn purge_before(&self, floor: &str) -> anyhow::Result<u64> {
+    fn purge_before(&self, floor: &str, replica_version: &str) -> anyhow::Result<u64> {
         let conn = self.connect()?;
         let n = conn.execute(
             r#"DELETE FROM "changeLog" WHERE watermark < ?1
-               AND watermark < (SELECT max(watermark) FROM "changeLog")"#,
-            [floor],
+               AND watermark < (SELECT max(watermark) FROM "changeLog")
+               AND (SELECT replicaVersion FROM "replicationConfig") = ?2"#,
+            [floor, replica_version],
         )?;
         Ok(n as u64)
     }

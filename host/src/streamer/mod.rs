@@ -18,9 +18,9 @@ use crate::forwarder;
 use crate::hub::Hub;
 use crate::source::model::{Control, Message};
 use crate::source::{ChangeSource, ChangeStream, Resume, SourceError};
-use crate::status::{SourceState, Stage, Status};
-use crate::storage::ChangeLog;
-use crate::storer::{Storer, StorerOptions};
+use crate::status::{LineageState, SourceState, Stage, Status};
+use crate::storage::{ChangeLog, NewLineage};
+use crate::storer::{Establish, Storer, StorerOptions};
 use acker::UpstreamAcker;
 use backoff::Backoff;
 
@@ -108,6 +108,9 @@ pub struct Streamer {
     claimed: bool,
     /// The hub knows the existing log's lineage (`seed_hub` ran).
     seeded: bool,
+    /// The lineage's snapshot is not durable yet: nothing is served until
+    /// the storer's first commit establishes it (progress goes to `/status`).
+    snapshotting: bool,
 }
 
 impl Streamer {
@@ -133,6 +136,7 @@ impl Streamer {
             open_fresh: false,
             claimed: false,
             seeded: false,
+            snapshotting: false,
         }
     }
 
@@ -145,10 +149,13 @@ impl Streamer {
         if std::mem::replace(&mut self.seeded, true) {
             return;
         }
-        if let Ok(Some(state)) = self.with_log(|log| log.state()) {
-            self.hub.set_replica_version(&state.replica_version);
+        // A log whose snapshot never became durable (written by an older
+        // Sluice) promises nothing: its lineage may yet be abandoned.
+        if let Ok(Some(state)) = self.with_log(|log| log.state()).map(|s| s.filter(|s| s.established())) {
+            self.hub.set_replica_version(Some(&state.replica_version));
             self.status.update(|s| {
                 s.replica_version = Some(state.replica_version.clone());
+                s.lineage = LineageState::Established;
                 s.last_watermark = Some(state.last_watermark.clone());
             });
         }
@@ -222,7 +229,9 @@ impl Streamer {
 
     /// Opens the source and settles the lineage. Returns the stream and the
     /// watermark it continues after.
-    async fn open(&mut self) -> Result<(Box<dyn ChangeStream>, String), PassEnd> {
+    /// Also returns what the storer must establish, when the log holds no
+    /// established lineage of this stream.
+    async fn open(&mut self) -> Result<(Box<dyn ChangeStream>, String, Option<Establish>), PassEnd> {
         let task = self.options.task_id.clone();
         if !self.claimed {
             // Take ownership before reading where to resume: in a shared change
@@ -251,40 +260,40 @@ impl Streamer {
         };
         let rv = stream.replica_version().to_string();
         let logged_rv = state.as_ref().map(|s| s.replica_version.as_str());
-        match state.as_ref() {
+        let new_lineage = match state.as_ref() {
             None => {
-                tracing::info!(replica_version = %rv, "initializing the change log");
-                self.with_log(|log| log.reset(&rv))?;
-                self.claim()?;
+                tracing::info!(replica_version = %rv, "starting the change log; it is served once its snapshot is stored");
+                true
             }
             Some(s) if s.replica_version != rv || reset_requested => {
                 if reset_requested {
-                    tracing::warn!(replica_version = %rv, "auto-reset: wiping the change log for a new lineage");
+                    tracing::warn!(replica_version = %rv, "auto-reset: the change log starts a new lineage");
                 } else {
                     tracing::warn!(
-                        "the source reports replica version {rv} but the change log holds {}: resetting the change log",
+                        "the source reports replica version {rv} but the change log holds {}: starting a new lineage",
                         s.replica_version
                     );
                 }
-                self.with_log(|log| log.reset(&rv))?;
-                self.claim()?;
+                // Subscribers of the old lineage can never continue.
+                self.set_snapshotting();
                 if resume.is_some() {
                     // The stream was positioned in the old lineage; start over.
                     self.open_fresh = true;
                     return Err(PassEnd::Restart);
                 }
+                true
             }
             Some(s) if s.reset_required => {
                 tracing::error!(
                     "the upstream required a reset of replica version {} (restart with --auto-reset to rebuild the change log)",
                     s.replica_version
                 );
+                false
             }
-            Some(_) => {}
-        }
+            Some(_) => false,
+        };
         self.open_fresh = false;
-        self.hub.set_replica_version(&rv);
-        let bounds = self.with_log(|log| log.bounds())?;
+        let established = !new_lineage && state.as_ref().is_some_and(|s| s.established());
         let after = resume.unwrap_or_else(|| rv.clone());
         tracing::info!(
             source = self.source.name(),
@@ -293,26 +302,88 @@ impl Streamer {
             was = logged_rv.unwrap_or("-"),
             "replicating"
         );
-        self.status.update(|s| {
-            s.replica_version = Some(rv.clone());
-            s.last_watermark = Some(bounds.last_watermark.clone());
-            s.min_watermark = bounds.min_watermark.clone();
-            s.source = SourceState::Running;
+        if established {
+            self.snapshotting = false;
+            self.hub.set_replica_version(Some(&rv));
+            let bounds = self.with_log(|log| log.bounds())?;
+            self.status.update(|s| {
+                s.replica_version = Some(rv.clone());
+                s.lineage = LineageState::Established;
+                s.last_watermark = Some(bounds.last_watermark.clone());
+                s.min_watermark = bounds.min_watermark.clone();
+            });
+        } else {
+            self.set_snapshotting();
+        }
+        self.status.update(|s| s.source = SourceState::Running);
+        self.status.source_message();
+        if !established {
+            // A durable position of a lineage being replaced must not hold
+            // back the new one's acks.
+            self.acker = UpstreamAcker::default();
+        }
+        let establish = (!established).then(|| {
+            let (hub, status, rv) = (self.hub.clone(), self.status.clone(), rv.clone());
+            Establish {
+                lineage: new_lineage.then(|| NewLineage {
+                    replica_version: rv.clone(),
+                    owner: self.options.task_id.clone(),
+                    owner_address: self.options.advertise.clone(),
+                }),
+                on_durable: Box::new(move |w: &str| {
+                    tracing::info!(replica_version = %rv, snapshot = w, "the lineage's snapshot is durable; serving subscribers");
+                    hub.set_replica_version(Some(&rv));
+                    status.update(|s| {
+                        // The log was seeded at the replica version.
+                        s.min_watermark = Some(rv.clone());
+                        s.replica_version = Some(rv);
+                        s.lineage = LineageState::Established;
+                    });
+                }),
+            }
         });
-        Ok((stream, after))
+        Ok((stream, after, establish))
+    }
+
+    /// A lineage is being established: serve nothing until its snapshot is
+    /// durable (the storer establishes it: see [`Establish`]).
+    fn set_snapshotting(&mut self) {
+        self.snapshotting = true;
+        self.hub.set_replica_version(None);
+        self.status.update(|s| {
+            s.replica_version = None;
+            s.lineage = LineageState::Snapshotting { tables: 0, rows: 0 };
+            s.last_watermark = None;
+            s.min_watermark = None;
+        });
+    }
+
+    /// The storer made everything through `w` durable (and established a
+    /// pending lineage with its first commit). Returns the acks now due
+    /// upstream.
+    fn on_durable(&mut self, w: &str, state: &mut StreamState) -> Vec<String> {
+        state.stored_any = true;
+        self.snapshotting = false;
+        self.acker.on_durable(w)
     }
 
     /// One stream, from open to failure. Returns why it ended and whether a
     /// transaction was stored (progress resets the back-off).
     async fn pass(&mut self, shutdown: &mut watch::Receiver<bool>) -> (PassEnd, bool) {
-        let (mut stream, resume_after) = match self.open().await {
+        let (mut stream, resume_after, establish) = match self.open().await {
             Ok(s) => s,
             Err(end) => return (end, false),
         };
         let (durable_tx, mut durable_rx) = mpsc::unbounded_channel();
         let log = self.log.take().expect("the change log is home between passes");
-        let storer =
-            Storer::start(log, self.hub.reader().clone(), self.options.storer, durable_tx, self.status.clone());
+        let storer = Storer::start(
+            log,
+            self.hub.reader().clone(),
+            self.options.storer,
+            establish,
+            durable_tx,
+            self.status.clone(),
+        );
         self.hub.storer_started(storer.catchup_queue());
         self.acker.reset();
         let mut state = StreamState::new(resume_after);
@@ -341,8 +412,8 @@ impl Streamer {
             Err(e) => return (PassEnd::Fatal(format!("{e:#}")), state.stored_any),
         };
         while let Ok(w) = durable_rx.try_recv() {
-            self.acker.on_durable(&w);
-            state.stored_any = true;
+            // The stream is gone: these acks can no longer be sent.
+            self.on_durable(&w, &mut state);
         }
         (end, state.stored_any)
     }
@@ -358,10 +429,10 @@ impl Streamer {
         let mut encoder = Encoder::default();
         let mut acks: Vec<String> = Vec::new();
         let mut idle = Duration::from_millis(1);
+        let mut quiet = QuietSource::default();
         loop {
             while let Ok(w) = durable_rx.try_recv() {
-                state.stored_any = true;
-                acks.extend(self.acker.on_durable(&w));
+                acks.extend(self.on_durable(&w, state));
             }
             for w in acks.drain(..) {
                 if let Err(e) = stream.ack(&w).await {
@@ -381,20 +452,20 @@ impl Streamer {
                 Err(e) => return e.into(),
             };
             if batch.is_empty() {
+                quiet.check(self.source.name());
                 // Nothing now: wait a little (longer while it stays quiet), but
                 // wake for durable commits so acks are not held back.
                 tokio::select! {
                     _ = tokio::time::sleep(idle) => {}
-                    Some(w) = durable_rx.recv() => {
-                        state.stored_any = true;
-                        acks.extend(self.acker.on_durable(&w));
-                    }
+                    Some(w) = durable_rx.recv() => acks.extend(self.on_durable(&w, state)),
                     _ = shutdown.changed() => return PassEnd::Shutdown,
                 }
                 idle = (idle * 2).min(Duration::from_millis(20));
                 continue;
             }
             idle = Duration::from_millis(1);
+            quiet = QuietSource::default();
+            self.status.source_message();
             let mut started = std::time::Instant::now();
             for msg in batch {
                 if let Err(end) = self.process(msg, &mut encoder, storer, state, &mut acks) {
@@ -546,6 +617,9 @@ impl Streamer {
         }
         let tx = state.tx.clone().expect("checked above: a transaction is open");
         let kind = change.kind;
+        if kind == Kind::Data && self.snapshotting {
+            self.count_snapshot_progress(change.tag);
+        }
         state.unflushed_bytes += change.json.len();
         self.hub.publish(storer, &tx, change);
         match kind {
@@ -559,6 +633,48 @@ impl Streamer {
             Kind::Begin | Kind::Data => {}
         }
         Ok(())
+    }
+}
+
+impl Streamer {
+    /// `/status` progress of a lineage being established.
+    fn count_snapshot_progress(&self, tag: &str) {
+        let (table, row) = (tag == "create-table", tag == "insert");
+        if table || row {
+            self.status.update(|s| {
+                if let LineageState::Snapshotting { tables, rows } = &mut s.lineage {
+                    *tables += table as u64;
+                    *rows += row as u64;
+                }
+            });
+        }
+    }
+}
+
+/// A connected source that sends nothing (not even a status) for long may
+/// be stalled: say so in the log, after a minute and then at doubling
+/// intervals. `/status` shows the time since its last message throughout.
+struct QuietSource {
+    since: std::time::Instant,
+    next_report: Duration,
+}
+
+impl Default for QuietSource {
+    fn default() -> Self {
+        QuietSource { since: std::time::Instant::now(), next_report: Duration::from_secs(60) }
+    }
+}
+
+impl QuietSource {
+    fn check(&mut self, source: &str) {
+        let quiet = self.since.elapsed();
+        if quiet >= self.next_report {
+            tracing::warn!(
+                "the source {source} is connected but has sent nothing for {} s (see sourceIdleMs in /status)",
+                quiet.as_secs()
+            );
+            self.next_report *= 2;
+        }
     }
 }
 

@@ -15,6 +15,15 @@
 //! snapshot is stored at `W.01` (just after `W`, before anything the
 //! upstream sends later); resuming after `W.01` asks the endpoint for what
 //! follows `W`.
+//!
+//! Two connections, as zero-cache: its initial sync reads exactly one
+//! transaction from a connection without `lastWatermark` and closes it;
+//! streaming starts on a new connection with `lastWatermark=W` and
+//! `replicaVersion=W`. A server written for zero-cache may send nothing
+//! after the snapshot on the first connection, so this plugin reads nothing
+//! past the snapshot there: once the host has made the snapshot durable (its
+//! ack), it closes that connection and resumes on a new one. Servers that do
+//! stream on the first connection resend those transactions on the second.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -159,6 +168,7 @@ impl Guest for Component {
         )
         .map_err(|e| PluginError::Transient(format!("cannot reach the upstream at {}: {e}", config.url)))?;
         let mut stream = Stream {
+            config,
             socket,
             convert: Converter::default(),
             replica_version: resume.as_ref().map(|r| r.replica_version.clone()).unwrap_or_default(),
@@ -172,9 +182,10 @@ impl Guest for Component {
             skip_ack: VecDeque::new(),
             ready: Vec::new(),
             deferred: None,
+            handoff: Handoff::None,
         };
         if stream.awaiting_snapshot {
-            stream.await_snapshot(Duration::from_millis(config.snapshot_wait_ms))?;
+            stream.await_snapshot(Duration::from_millis(stream.config.snapshot_wait_ms))?;
         }
         Ok(ChangeStream::new(CustomStream(RefCell::new(stream))))
     }
@@ -183,6 +194,7 @@ impl Guest for Component {
 pub struct CustomStream(RefCell<Stream>);
 
 struct Stream {
+    config: Config,
     socket: Socket,
     convert: Converter,
     replica_version: String,
@@ -205,6 +217,20 @@ struct Stream {
     ready: Vec<Message>,
     /// An error met after part of a batch was converted: reported next call.
     deferred: Option<PluginError>,
+    /// Where an initial connection stands after its snapshot.
+    handoff: Handoff,
+}
+
+/// zero-cache's move from the initial-sync connection to the streaming one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Handoff {
+    /// Reading normally (a resume connection, or the snapshot is not done).
+    None,
+    /// The snapshot's commit was read from an initial connection: nothing
+    /// more is read from it, and the host has not made the snapshot durable.
+    AwaitingDurable,
+    /// The snapshot is durable: the next call opens the resume connection.
+    Resume,
 }
 
 /// A frame's first bytes, to name it in an error.
@@ -246,9 +272,12 @@ impl Stream {
         if let Some(e) = self.deferred.take() {
             return Err(e);
         }
+        if self.handoff == Handoff::Resume {
+            self.resume_after_snapshot()?;
+        }
         let max = max.max(1) as usize;
         let mut out = std::mem::take(&mut self.ready);
-        while out.len() < max {
+        while out.len() < max && self.handoff == Handoff::None {
             // Wait only while the batch is empty; once it has something,
             // take what has arrived and hand it over.
             let frame = match self.socket.read(out.is_empty()) {
@@ -263,6 +292,24 @@ impl Stream {
             }
         }
         Ok(out)
+    }
+
+    /// Closes the initial connection and continues on a new one after the
+    /// snapshot's watermark `W`, with the parameters zero-cache sends then.
+    fn resume_after_snapshot(&mut self) -> Result<(), PluginError> {
+        let Some((w, _)) = self.snapshot_label.clone() else { return Ok(()) };
+        let url = self.config.stream_url(Some((&w, &w)))?;
+        // Replacing the socket closes the old connection.
+        self.socket = Socket::connect(
+            &url,
+            Duration::from_millis(self.config.connect_timeout_ms),
+            Duration::from_millis(self.config.ping_interval_ms),
+        )
+        .map_err(|e| {
+            PluginError::Transient(format!("cannot reach the upstream at {} after the snapshot: {e}", self.config.url))
+        })?;
+        self.handoff = Handoff::None;
+        Ok(())
     }
 
     /// Reports `e` now, or after the messages already converted.
@@ -312,6 +359,8 @@ impl Stream {
                     if let Some((_, label)) = &self.snapshot_label {
                         relabel(out, start, label);
                     }
+                    // zero-cache's initial sync ends here, on this connection.
+                    self.handoff = Handoff::AwaitingDurable;
                 }
                 self.last_commit = Some(watermark);
             }
@@ -362,9 +411,13 @@ impl Stream {
         self.echo.retain(|w| w.as_str() > watermark);
         let skipped = self.skip_ack.iter().any(|w| w == watermark);
         self.skip_ack.retain(|w| w.as_str() > watermark);
+        let snapshot = self.snapshot_label.as_ref().is_some_and(|(_, label)| label == watermark);
+        if snapshot && self.handoff == Handoff::AwaitingDurable {
+            self.handoff = Handoff::Resume;
+        }
         let frame = if echoed {
             format!("[\"status\",{{\"ack\":true}},{{\"watermark\":{}}}]", json_string(watermark))
-        } else if skipped || self.snapshot_label.as_ref().is_some_and(|(_, label)| label == watermark) {
+        } else if skipped || snapshot {
             // zero-cache never acks a skipAck transaction nor the initial sync.
             return Ok(());
         } else {

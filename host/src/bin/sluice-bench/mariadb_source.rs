@@ -99,13 +99,10 @@ pub async fn run(registry: &Registry, addr_and_socket: (String, String), tmp: &s
     let rv = loop {
         anyhow::ensure!(started.elapsed() < Duration::from_secs(60), "sluice did not start");
         if let Ok(s) = http_status(&addr).await {
-            // The snapshot is durable once the log holds more than the
-            // replica version; killed before that, the next start would
-            // snapshot again under a new replica version.
-            if let (Some(rv), Some(w)) = (s["replicaVersion"].as_str(), s["lastWatermark"].as_str()) {
-                if w != rv {
-                    break rv.to_string();
-                }
+            // A replica version is reported only once its snapshot is
+            // durable, so a restart resumes it.
+            if let Some(rv) = s["replicaVersion"].as_str() {
+                break rv.to_string();
             }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
