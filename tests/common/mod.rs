@@ -270,13 +270,14 @@ impl LogSpec {
                 .ok()
             }
             Backend::Postgres => {
+                // One table per statement: a storage transaction of a host
+                // that was just killed may still hold (and be taking) its
+                // locks until its backend notices, and a join could deadlock
+                // with it.
                 let c = self.pg_client().await;
                 let s = self.schema();
-                let sql = format!(
-                    r#"SELECT c."replicaVersion", s."lastWatermark" FROM {s}."replicationConfig" c, {s}."replicationState" s"#
-                );
-                match c.query_opt(&sql, &[]).await {
-                    Ok(row) => row.map(|r| (r.get(0), r.get(1))),
+                let read = async |sql: String| match c.query_opt(&sql, &[]).await {
+                    Ok(row) => row.map(|r| r.get::<_, String>(0)),
                     // Killed before it created its schema or tables.
                     Err(e)
                         if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE)
@@ -285,6 +286,13 @@ impl LogSpec {
                         None
                     }
                     Err(e) => panic!("{sql}: {e} {:?}", e.as_db_error()),
+                };
+                let last = read(format!(r#"SELECT "lastWatermark" FROM {s}."replicationState""#)).await;
+                let rv = read(format!(r#"SELECT "replicaVersion" FROM {s}."replicationConfig""#)).await;
+                match (rv, last) {
+                    (Some(rv), Some(last)) => Some((rv, last)),
+                    (None, None) => None,
+                    other => panic!("replicationConfig and replicationState disagree: {other:?}"),
                 }
             }
         }
