@@ -1,10 +1,16 @@
 # Sluice: build, demo, test, bench.
 CARGO ?= cargo
-PLUGINS := mock-source zero-custom-source mariadb-source table-filter row-filter redact bad-filter
-GUESTS := $(addprefix --exclude ,$(PLUGINS))
+# The bundled plugins, installed into PLUGIN_DIR (what `sluice run` loads by
+# default); test-only plugins go into TEST_PLUGIN_DIR beside copies of them,
+# so no subscriber of a real deployment can ask for a filter that misbehaves
+# on purpose.
+PLUGINS := mock-source zero-custom-source mariadb-source table-filter row-filter redact
+TEST_PLUGINS := bad-filter
+GUESTS := $(addprefix --exclude ,$(PLUGINS) $(TEST_PLUGINS))
 PLUGIN_DIR := target/plugins
+TEST_PLUGIN_DIR := target/test-plugins
 
-.PHONY: all build plugins interop-deps demo test chaos bench fmt lint clean
+.PHONY: all build plugins test-plugins interop-deps demo test chaos bench fmt lint clean
 
 all: build plugins
 
@@ -18,6 +24,13 @@ plugins:
 	@mkdir -p $(PLUGIN_DIR)
 	@for p in $(PLUGINS); do cp target/wasm32-wasip2/plugin/$$(echo $$p | tr - _).wasm $(PLUGIN_DIR)/$$p.wasm; done
 	@ls -l $(PLUGIN_DIR)
+
+# The plugin directory the tests load: the bundled plugins and the test-only ones.
+test-plugins: plugins
+	$(CARGO) build --profile plugin --target wasm32-wasip2 $(addprefix -p ,$(TEST_PLUGINS))
+	@mkdir -p $(TEST_PLUGIN_DIR)
+	@cp $(PLUGIN_DIR)/*.wasm $(TEST_PLUGIN_DIR)/
+	@for p in $(TEST_PLUGINS); do cp target/wasm32-wasip2/plugin/$$(echo $$p | tr - _).wasm $(TEST_PLUGIN_DIR)/$$p.wasm; done
 
 # The README's run command: the mock source into the embedded SQLite change log.
 demo: build plugins
@@ -40,7 +53,7 @@ interop-deps:
 # server for the Postgres tests and a private MariaDB server for the
 # mariadb-source tests (set SLUICE_TEST_PG_URL or SLUICE_TEST_MARIADB to use
 # your own servers instead). The plugins' own unit tests run natively.
-test: plugins interop-deps
+test: test-plugins interop-deps
 	$(CARGO) build --tests
 	$(CARGO) test -p mariadb-source --lib
 	tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh $(CARGO) test --workspace $(GUESTS) -- --test-threads=2
@@ -48,7 +61,7 @@ test: plugins interop-deps
 # The crash-safety suite for longer: each chaos variant kills and restarts
 # Sluice for SLUICE_CHAOS_SECONDS (default 120), then the fuzzers run for
 # SLUICE_FUZZ_SECONDS each. SLUICE_CHAOS_SEED replays a run.
-chaos: plugins
+chaos: test-plugins
 	$(CARGO) build --tests
 	SLUICE_CHAOS_SECONDS=$${SLUICE_CHAOS_SECONDS:-120} SLUICE_FUZZ_SECONDS=$${SLUICE_FUZZ_SECONDS:-60} \
 		tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh $(CARGO) test --test chaos -- --nocapture --test-threads=1
@@ -63,7 +76,7 @@ fmt:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets -- -D warnings
-	$(CARGO) clippy --target wasm32-wasip2 $(addprefix -p ,$(PLUGINS)) -- -D warnings
+	$(CARGO) clippy --target wasm32-wasip2 $(addprefix -p ,$(PLUGINS) $(TEST_PLUGINS)) -- -D warnings
 	$(CARGO) clippy -p filter-kit --all-targets -- -D warnings
 
 clean:

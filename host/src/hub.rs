@@ -249,3 +249,118 @@ impl Hub {
         self.lock().forwarder.check_laggards(Instant::now(), grace);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::memory::MemoryChangeLog;
+    use crate::storage::{ChangeLog, LogRow};
+    use crate::subscriber::{Connection, Frame, Limits, Mode};
+
+    /// A log of lineage 00 holding one transaction at 01.
+    fn log_with_one_transaction() -> MemoryChangeLog {
+        let mut log = MemoryChangeLog::default();
+        log.reset("00").unwrap();
+        log.begin().unwrap();
+        let row = |pos, tag, change| LogRow { watermark: "01", pos, tag, change, precommit: None };
+        log.append(&[
+            row(0, "begin", r#"{"tag":"begin"}"#),
+            row(1, "insert", r#"{"tag":"insert","new":{"id":1}}"#),
+            LogRow { precommit: Some("01"), ..row(2, "commit", r#"{"tag":"commit"}"#) },
+        ])
+        .unwrap();
+        log.commit("01").unwrap();
+        log
+    }
+
+    fn hub() -> (Arc<Hub>, Arc<Status>) {
+        let status = Arc::new(Status::default());
+        (Hub::new(log_with_one_transaction().reader(), status.clone()), status)
+    }
+
+    fn subscriber(watermark: &str) -> (Arc<Subscriber>, Connection) {
+        Subscriber::new("sub".into(), "task".into(), Mode::Serving, 6, watermark.into(), Limits::default())
+    }
+
+    /// The next frame, summarised: `begin W`, `commit W`, another message's
+    /// tag, the error message (JSON) or `close`.
+    async fn next(conn: &mut Connection) -> String {
+        let frame = tokio::time::timeout(Duration::from_secs(10), conn.frames.recv()).await;
+        match frame.expect("a frame in time").expect("the subscriber's channel is open") {
+            Frame::Message { json, .. } => {
+                let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+                match v[0].as_str().unwrap() {
+                    "begin" => format!("begin {}", v[2]["commitWatermark"].as_str().unwrap()),
+                    "commit" => format!("commit {}", v[2]["watermark"].as_str().unwrap()),
+                    "data" => v[1]["tag"].as_str().unwrap().to_string(),
+                    other => other.to_string(),
+                }
+            }
+            Frame::Error(m) => m,
+            Frame::Close => "close".into(),
+        }
+    }
+
+    async fn caught_up(conn: &mut Connection) {
+        for expected in ["status", "begin 01", "insert", "commit 01"] {
+            assert_eq!(next(conn).await, expected);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn without_an_established_lineage_subscribers_are_closed_without_an_error() {
+        let (hub, _) = hub();
+        let (sub, mut conn) = subscriber("00");
+        hub.subscribe(sub, "00");
+        assert_eq!(next(&mut conn).await, "close");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn another_replica_version_is_an_error_and_a_new_lineage_closes_everyone() {
+        let (hub, status) = hub();
+        hub.set_replica_version(Some("00"));
+        let (wrong, mut wrong_conn) = subscriber("00");
+        hub.subscribe(wrong, "0x");
+        assert_eq!(
+            next(&mut wrong_conn).await,
+            r#"["error",{"type":1,"message":"current replica version is 00 (requested 0x)"}]"#
+        );
+
+        let (sub, mut conn) = subscriber("00");
+        hub.subscribe(sub.clone(), "00");
+        caught_up(&mut conn).await;
+        assert_eq!(status.snapshot().subscribers, 1);
+        // A lineage being established: the old one's subscribers can never continue.
+        hub.set_replica_version(None);
+        assert_eq!(next(&mut conn).await, "close");
+        assert!(sub.is_closed());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unclaimed_log_holds_subscribers_until_this_host_owns_it() {
+        let (hub, status) = hub();
+        hub.set_replica_version(Some("00"));
+        hub.hold_until_claimed();
+        let (sub, mut conn) = subscriber("00");
+        hub.subscribe(sub, "00");
+        assert_eq!(status.snapshot().held_subscribers, 1);
+        assert!(conn.frames.try_recv().is_err(), "nothing is served while held");
+        hub.claimed();
+        caught_up(&mut conn).await;
+        assert_eq!((status.snapshot().held_subscribers, status.snapshot().subscribers), (0, 1));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stopping_storer_holds_subscribers_until_the_log_is_final() {
+        let (hub, status) = hub();
+        hub.set_replica_version(Some("00"));
+        hub.storer_stopping();
+        let (sub, mut conn) = subscriber("00");
+        hub.subscribe(sub, "00");
+        assert_eq!(status.snapshot().held_subscribers, 1);
+        assert!(conn.frames.try_recv().is_err(), "nothing is served while held");
+        hub.storer_stopped();
+        caught_up(&mut conn).await;
+        assert_eq!(status.snapshot().held_subscribers, 0);
+    }
+}

@@ -558,3 +558,159 @@ impl Worker {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::memory::{MemoryChangeLog, MemoryProbe};
+
+    fn begin(w: &str) -> Change {
+        Change::from_stored("begin", r#"{"tag":"begin"}"#, w)
+    }
+    fn insert(w: &str, id: u32) -> Change {
+        Change::from_stored("insert", &format!(r#"{{"tag":"insert","new":{{"id":{id}}}}}"#), w)
+    }
+    fn commit(w: &str) -> Change {
+        Change::from_stored("commit", r#"{"tag":"commit"}"#, w)
+    }
+
+    fn start(log: MemoryChangeLog, options: StorerOptions, establish: Option<Establish>) -> Running {
+        let reader = log.reader();
+        let (tx, durable) = mpsc::unbounded_channel();
+        let storer = Storer::start(Box::new(log), reader, options, establish, tx, Arc::new(Status::default()));
+        Running { storer, durable }
+    }
+
+    struct Running {
+        storer: Storer,
+        durable: mpsc::UnboundedReceiver<Arc<str>>,
+    }
+
+    impl Running {
+        fn send(&self, w: &str, change: Change) {
+            self.storer.store(&Arc::from(w), &change);
+        }
+
+        /// A whole upstream transaction with `rows` inserts.
+        fn tx(&self, w: &str, rows: u32) {
+            self.send(w, begin(w));
+            for id in 0..rows {
+                self.send(w, insert(w, id));
+            }
+            self.send(w, commit(w));
+        }
+
+        async fn durable(&mut self) -> String {
+            let w = tokio::time::timeout(Duration::from_secs(10), self.durable.recv()).await;
+            w.expect("a durable commit in time").expect("the storer is running").to_string()
+        }
+
+        async fn stop(self) {
+            let exit = self.storer.stop(Duration::from_secs(10)).await.expect("the storer drains");
+            exit.result.expect("no storage error");
+        }
+    }
+
+    fn watermarks(probe: &MemoryProbe) -> Vec<String> {
+        let mut w: Vec<String> = probe.rows().into_iter().map(|(w, _, _)| w).collect();
+        w.dedup();
+        w
+    }
+
+    fn seeded() -> MemoryChangeLog {
+        let mut log = MemoryChangeLog::default();
+        log.reset("00").unwrap();
+        log
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn transactions_queued_behind_a_commit_share_the_next_storage_transaction() {
+        let log = seeded();
+        let probe = log.probe();
+        probe.close_gate();
+        let mut s = start(log, StorerOptions::default(), None);
+        s.tx("01", 1);
+        let p = probe.clone();
+        tokio::task::spawn_blocking(move || p.wait_for_commit_at_gate()).await.unwrap();
+        for w in ["02", "03", "04"] {
+            s.tx(w, 2);
+        }
+        probe.open_gate();
+        assert_eq!(s.durable().await, "01");
+        assert_eq!(s.durable().await, "04", "02..04 were committed together");
+        s.stop().await;
+        assert_eq!(probe.stats().commits, 2);
+        assert_eq!(watermarks(&probe), ["00", "01", "02", "03", "04"]);
+        assert_eq!(probe.lineage().unwrap().1, "04");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_large_transaction_sharing_a_storage_transaction_rolls_back_alone() {
+        let log = seeded();
+        let probe = log.probe();
+        probe.close_gate();
+        let options = StorerOptions { batch_rows: 4, ..StorerOptions::default() };
+        let mut s = start(log, options, None);
+        s.tx("01", 1);
+        let p = probe.clone();
+        tokio::task::spawn_blocking(move || p.wait_for_commit_at_gate()).await.unwrap();
+        // 02 commits into the next group; 03 outgrows a write batch, so it is
+        // written early behind a savepoint, then rolls back; 04 follows.
+        s.tx("02", 1);
+        s.send("03", begin("03"));
+        for id in 0..6 {
+            s.send("03", insert("03", id));
+        }
+        s.send("03", Change::rollback());
+        s.tx("04", 1);
+        probe.open_gate();
+        assert_eq!(s.durable().await, "01");
+        assert_eq!(s.durable().await, "04");
+        s.stop().await;
+        let stats = probe.stats();
+        assert_eq!((stats.commits, stats.savepoints, stats.savepoint_rollbacks), (2, 1, 1), "{stats:?}");
+        assert_eq!(watermarks(&probe), ["00", "01", "02", "04"], "only 03's rows are gone");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_lineage_is_written_with_its_first_commit_and_not_before() {
+        let log = seeded();
+        let probe = log.probe();
+        let (established_tx, mut established) = mpsc::unbounded_channel();
+        let establish = Establish {
+            lineage: Some(NewLineage {
+                replica_version: "05".into(),
+                owner: "task".into(),
+                owner_address: "here:1".into(),
+            }),
+            on_durable: Box::new(move |w: &str| {
+                let _ = established_tx.send(w.to_string());
+            }),
+        };
+        let mut s = start(log, StorerOptions { batch_rows: 2, ..StorerOptions::default() }, Some(establish));
+        // The snapshot is cut off after some of its rows were written: the
+        // storage transaction that started the lineage is rolled back with it.
+        s.send("06", begin("06"));
+        for id in 0..3 {
+            s.send("06", insert("06", id));
+        }
+        s.storer.abort();
+        // The next storage transaction starts the lineage again.
+        probe.close_gate();
+        s.tx("07", 2);
+        let p = probe.clone();
+        tokio::task::spawn_blocking(move || p.wait_for_commit_at_gate()).await.unwrap();
+        assert_eq!(probe.lineage().unwrap().0, "00", "nothing of the new lineage is visible before its commit");
+        assert!(established.try_recv().is_err());
+        probe.open_gate();
+        assert_eq!(s.durable().await, "07");
+        assert_eq!(established.try_recv().as_deref(), Ok("07"), "established before the loop hears of it");
+        s.tx("08", 1);
+        assert_eq!(s.durable().await, "08");
+        s.stop().await;
+        assert!(established.try_recv().is_err(), "established once");
+        assert_eq!(probe.lineage(), Some(("05".into(), "08".into(), Some("task".into()))));
+        assert_eq!(watermarks(&probe), ["05", "07", "08"], "the old lineage is gone, and the cut snapshot");
+        assert_eq!(probe.stats().rollbacks, 1);
+    }
+}

@@ -43,12 +43,13 @@ macro_rules! on_both_backends {
     };
 }
 
-/// `target/plugins`, where `make plugins` puts the bundled plugins.
+/// `target/test-plugins`, where `make test-plugins` puts the bundled plugins
+/// and the test-only ones.
 pub fn plugin_dir() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/plugins");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-plugins");
     assert!(
-        dir.join("mock-source.wasm").exists(),
-        "{} has no mock-source.wasm: run `make plugins` (make test does)",
+        dir.join("mock-source.wasm").exists() && dir.join("bad-filter.wasm").exists(),
+        "{} lacks mock-source.wasm or bad-filter.wasm: run `make test-plugins` (make test does)",
         dir.display()
     );
     dir

@@ -4,6 +4,7 @@
 //! embedded default; a Postgres change DB plugs in beside it. Calls are
 //! blocking: the storer runs them on a thread of its own.
 
+pub mod memory;
 pub mod postgres;
 pub mod sqlite;
 

@@ -3,7 +3,7 @@
 //! v1 rows events, rotate, heartbeat) and checksum checking.
 //!
 //! No published crate decodes MariaDB's GTID events and builds for
-//! wasm32-wasip2 without C (see the README), so this is written here.
+//! wasm32-wasip2 without C (see docs/sources/mariadb.md), so this is written here.
 
 use crate::types::ColType;
 use crate::wire::{Cursor, Res};
