@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::feed::*;
 use common::*;
 use serde_json::json;
-use sluice::plugin::Limits;
+use sluice::plugin::SandboxLimits;
 use sluice::storage::StorageError;
 use sluice::storer::StorerOptions;
 use sluice::streamer::StreamerOptions;
@@ -352,7 +352,8 @@ async fn a_lost_connection_is_retried_and_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     // The mock harness runs as the default task, "sluice".
     let spec = LogSpec::new(Backend::Postgres, dir.path());
-    let h = start_mock(&spec, json!({"transactions": 600, "rows_per_tx": 5, "rate": 600}), Limits::default()).await;
+    let h =
+        start_mock(&spec, json!({"transactions": 600, "rows_per_tx": 5, "rate": 600}), SandboxLimits::default()).await;
     let c = spec.pg_client().await;
     // Cut the writer's connections often, at uneven intervals, while it
     // streams: some cuts land inside a storage transaction.

@@ -995,9 +995,12 @@ fn fuzz_pgoutput_decoding() {
 async fn fuzz_subscriber_endpoint() {
     let dir = tempfile::tempdir().unwrap();
     let spec = LogSpec::new(Backend::Sqlite, dir.path());
-    let harness =
-        start_mock(&spec, serde_json::json!({"transactions": 50, "rows_per_tx": 2}), sluice::plugin::Limits::default())
-            .await;
+    let harness = start_mock(
+        &spec,
+        serde_json::json!({"transactions": 50, "rows_per_tx": 2}),
+        sluice::plugin::SandboxLimits::default(),
+    )
+    .await;
     harness.wait_for_watermark(&lexi(50), Duration::from_secs(60)).await;
     let (_stop, stop_rx) = watch::channel(false);
     let app = sluice::server::AppState {

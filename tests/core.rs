@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use common::process::{free_addr, http_get, sluice};
 use common::*;
 use serde_json::json;
-use sluice::plugin::{Limits, Registry};
+use sluice::plugin::{Registry, SandboxLimits};
 use sluice::source::model::{Begin, Commit, Control, Insert, KeyType, Message, Relation, Status, Value};
 use sluice::source::{ChangeSource, ChangeStream, Resume, SourceError};
 use sluice::streamer::StreamerOptions;
@@ -52,7 +52,8 @@ fn all(n: u64) -> Vec<String> {
 async fn stores_every_transaction_in_order_with_its_content(backend: Backend) {
     let dir = tmp();
     let spec = LogSpec::new(backend, dir.path());
-    let h = start_mock(&spec, json!({"transactions": 20, "rows_per_tx": 3, "tables": 2}), Limits::default()).await;
+    let h =
+        start_mock(&spec, json!({"transactions": 20, "rows_per_tx": 3, "tables": 2}), SandboxLimits::default()).await;
     h.wait_for_watermark(&lexi(20), WAIT).await;
     h.stop().await.unwrap();
 
@@ -80,7 +81,8 @@ async fn rolled_back_transactions_are_not_stored(backend: Backend) {
     let dir = tmp();
     let spec = LogSpec::new(backend, dir.path());
     let h =
-        start_mock(&spec, json!({"transactions": 10, "rows_per_tx": 2, "rollback_every": 3}), Limits::default()).await;
+        start_mock(&spec, json!({"transactions": 10, "rows_per_tx": 2, "rollback_every": 3}), SandboxLimits::default())
+            .await;
     h.wait_for_watermark(&lexi(10), WAIT).await;
     h.stop().await.unwrap();
     let expected: Vec<String> = (1..=10).filter(|i| i % 3 != 0).map(lexi).collect();
@@ -95,7 +97,7 @@ async fn large_transactions_and_rollbacks_share_storage_transactions(backend: Ba
     let dir = tmp();
     let spec = LogSpec::new(backend, dir.path());
     let config = json!({"transactions": 9, "rows_per_tx": 2500, "rollback_every": 2, "row_bytes": 20});
-    let h = start_mock(&spec, config, Limits::default()).await;
+    let h = start_mock(&spec, config, SandboxLimits::default()).await;
     h.wait_for_watermark(&lexi(9), WAIT).await;
     h.stop().await.unwrap();
     assert_eq!(spec.committed().await, [1, 3, 5, 7, 9].map(lexi));
@@ -103,7 +105,7 @@ async fn large_transactions_and_rollbacks_share_storage_transactions(backend: Ba
     assert_eq!(spec.rows().await.len(), 2 + 5 * 2502);
 }
 
-async fn survives_fault(backend: Backend, config: serde_json::Value, limits: Limits) {
+async fn survives_fault(backend: Backend, config: serde_json::Value, limits: SandboxLimits) {
     let dir = tmp();
     let spec = LogSpec::new(backend, dir.path());
     let h = start_mock(&spec, config, limits).await;
@@ -114,35 +116,41 @@ async fn survives_fault(backend: Backend, config: serde_json::Value, limits: Lim
 }
 
 async fn interrupted_transactions_are_aborted_and_redelivered_once(backend: Backend) {
-    survives_fault(backend, json!({"transactions": 30, "rows_per_tx": 4, "interrupt_every": 4}), Limits::default())
-        .await;
+    survives_fault(
+        backend,
+        json!({"transactions": 30, "rows_per_tx": 4, "interrupt_every": 4}),
+        SandboxLimits::default(),
+    )
+    .await;
 }
 
 async fn retries_after_a_source_error(backend: Backend) {
-    survives_fault(backend, json!({"transactions": 30, "rows_per_tx": 4, "fail_after": 25}), Limits::default()).await;
+    survives_fault(backend, json!({"transactions": 30, "rows_per_tx": 4, "fail_after": 25}), SandboxLimits::default())
+        .await;
 }
 
 async fn recovers_from_a_trapping_plugin(backend: Backend) {
-    survives_fault(backend, json!({"transactions": 30, "rows_per_tx": 4, "trap_after": 40}), Limits::default()).await;
+    survives_fault(backend, json!({"transactions": 30, "rows_per_tx": 4, "trap_after": 40}), SandboxLimits::default())
+        .await;
 }
 
 async fn recovers_from_a_hanging_plugin(backend: Backend) {
-    let limits = Limits { call_deadline: Duration::from_millis(300), ..Limits::default() };
+    let limits = SandboxLimits { call_deadline: Duration::from_millis(300), ..SandboxLimits::default() };
     survives_fault(backend, json!({"transactions": 30, "rows_per_tx": 4, "hang_after": 20}), limits).await;
 }
 
 async fn recovers_from_a_plugin_that_exhausts_memory(backend: Backend) {
-    let limits = Limits { memory_bytes: 48 << 20, ..Limits::default() };
+    let limits = SandboxLimits { memory_bytes: 48 << 20, ..SandboxLimits::default() };
     survives_fault(backend, json!({"transactions": 30, "rows_per_tx": 4, "oom_after": 20}), limits).await;
 }
 
 async fn resumes_after_the_last_durable_watermark(backend: Backend) {
     let dir = tmp();
     let spec = LogSpec::new(backend, dir.path());
-    let h = start_mock(&spec, json!({"transactions": 10}), Limits::default()).await;
+    let h = start_mock(&spec, json!({"transactions": 10}), SandboxLimits::default()).await;
     h.wait_for_watermark(&lexi(10), WAIT).await;
     h.stop().await.unwrap();
-    let h = start_mock(&spec, json!({"transactions": 25}), Limits::default()).await;
+    let h = start_mock(&spec, json!({"transactions": 25}), SandboxLimits::default()).await;
     h.wait_for_watermark(&lexi(25), WAIT).await;
     h.stop().await.unwrap();
     assert_eq!(spec.committed().await, all(25));
@@ -411,7 +419,7 @@ async fn only_the_source_plugin_compiles_before_replication_starts() {
     let dir = tmp();
     let registry = Arc::new(Registry::open(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap());
     assert_eq!(registry.infos().count(), 0, "nothing compiled by opening the directory");
-    registry.source("mock-source", "{}".into(), Limits::default(), Default::default()).await.unwrap();
+    registry.source("mock-source", "{}".into(), SandboxLimits::default(), Default::default()).await.unwrap();
     let loaded: Vec<String> = registry.infos().map(|i| i.name.clone()).collect();
     assert_eq!(loaded, ["mock-source"]);
     registry.warm_up();
@@ -451,8 +459,8 @@ async fn bad_plugin_files_are_reported_and_the_rest_load() {
     assert!(by("core").error.as_deref().unwrap().contains("core WebAssembly module, not a component"));
     let newer = by("newer").error.as_deref().unwrap();
     assert!(newer.contains("speaks sluice:plugin@0.4.0, but this host speaks sluice:plugin@0.3.x"), "{newer}");
-    assert!(registry.source("garbage", "{}".into(), Limits::default(), Default::default()).await.is_err());
-    let err = registry.source("nope", "{}".into(), Limits::default(), Default::default()).await.err().unwrap();
+    assert!(registry.source("garbage", "{}".into(), SandboxLimits::default(), Default::default()).await.is_err());
+    let err = registry.source("nope", "{}".into(), SandboxLimits::default(), Default::default()).await.err().unwrap();
     assert!(err.contains("unknown source \"nope\"") && err.contains("good"), "{err}");
 
     // A second load comes from the compiled-code cache.

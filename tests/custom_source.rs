@@ -17,7 +17,7 @@ use common::ws::Client;
 use common::*;
 use serde_json::{json, Value};
 use sluice::hub::Hub;
-use sluice::plugin::{Limits, NetGrant, Registry};
+use sluice::plugin::{NetGrant, Registry, SandboxLimits};
 use sluice::status::{SourceState, Status};
 use sluice::streamer::{Streamer, StreamerOptions};
 use tokio::sync::watch;
@@ -65,7 +65,7 @@ impl Sluice {
         let (log, _) = LogSpec::new(Backend::Sqlite, self.dir.path()).open();
         let source = self
             .registry
-            .source("zero-custom-source", self.config.clone(), Limits::default(), self.grant.clone())
+            .source("zero-custom-source", self.config.clone(), SandboxLimits::default(), self.grant.clone())
             .await
             .unwrap();
         let streamer =

@@ -16,7 +16,7 @@ use common::*;
 use serde_json::{json, Value as Json};
 use sluice::filter::{FilterHost, FilterSpec};
 use sluice::hub::Hub;
-use sluice::plugin::{Limits, Registry};
+use sluice::plugin::{Registry, SandboxLimits};
 use sluice::server::AppState;
 use sluice::source::model::{
     ColumnSpec, CreateTable, Insert, KeyType, Message, Relation, SchemaChange, TableName, TableSpec, Truncate, Update,
@@ -36,7 +36,7 @@ struct Server {
 }
 
 async fn server() -> Server {
-    let limits = Limits { call_deadline: Duration::from_millis(300), memory_bytes: 32 << 20 };
+    let limits = SandboxLimits { call_deadline: Duration::from_millis(300), memory_bytes: 32 << 20 };
     let dir = tempfile::tempdir().unwrap();
     let spec = LogSpec::new(Backend::Sqlite, dir.path());
     let (log, reader) = spec.open();

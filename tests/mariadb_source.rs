@@ -19,7 +19,7 @@ use common::replica::Replica;
 use common::*;
 use serde_json::{json, Value};
 use sluice::hub::Hub;
-use sluice::plugin::{Limits, Registry};
+use sluice::plugin::{Registry, SandboxLimits};
 use sluice::status::Status;
 use sluice::streamer::{Streamer, StreamerOptions};
 use tokio::sync::watch;
@@ -60,7 +60,7 @@ impl Sluice {
         let endpoints = sluice::plugin::net::config_endpoints(&self.config).unwrap();
         let grant = sluice::plugin::net::resolve(&endpoints).unwrap();
         let source =
-            self.registry.source("mariadb-source", self.config.clone(), Limits::default(), grant).await.unwrap();
+            self.registry.source("mariadb-source", self.config.clone(), SandboxLimits::default(), grant).await.unwrap();
         let streamer =
             Streamer::new(Box::new(source), log, self.hub.clone(), StreamerOptions::default(), self.status.clone());
         let (stop, stop_rx) = watch::channel(false);
@@ -450,7 +450,7 @@ async fn set_up_errors_are_clear() {
             let config = config.to_string();
             let endpoints = sluice::plugin::net::config_endpoints(&config).unwrap();
             let grant = sluice::plugin::net::resolve(&endpoints).unwrap();
-            let mut source = registry.source("mariadb-source", config, Limits::default(), grant).await.unwrap();
+            let mut source = registry.source("mariadb-source", config, SandboxLimits::default(), grant).await.unwrap();
             sluice::source::ChangeSource::open(&mut source, None).await.err().map(|e| e.to_string())
         }
     };

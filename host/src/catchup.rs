@@ -11,7 +11,7 @@ use crate::storage::{LogReader, LogSnapshot};
 use crate::subscriber::{Entry, ErrorType, Subscriber};
 
 /// Rows per read.
-pub const BATCH_ROWS: usize = 1000;
+pub const CATCHUP_READ_ROWS: usize = 1000;
 /// Read the next batch once fewer bytes than this are unconsumed. Each
 /// catching-up subscriber holds its own replayed frames, so this is paid per
 /// subscriber: 100 of them behind a fast source held 290 MB at 4 MiB and
@@ -51,13 +51,13 @@ async fn run(mut snapshot: Box<dyn LogSnapshot>, sub: Arc<Subscriber>, replica_v
         let from = start.clone();
         let after = cursor.clone();
         let (snap, rows) = tokio::task::spawn_blocking(move || {
-            let rows = snapshot.read(&from, after.as_ref().map(|(w, p)| (w.as_str(), *p)), BATCH_ROWS);
+            let rows = snapshot.read(&from, after.as_ref().map(|(w, p)| (w.as_str(), *p)), CATCHUP_READ_ROWS);
             (snapshot, rows)
         })
         .await?;
         snapshot = snap;
         let rows = rows?;
-        let full = rows.len() == BATCH_ROWS;
+        let full = rows.len() == CATCHUP_READ_ROWS;
         for row in &rows {
             if row.watermark == start {
                 found = true;

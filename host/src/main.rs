@@ -11,7 +11,7 @@ use tokio::sync::watch;
 
 use sluice::cleanup::CleanupOptions;
 use sluice::hub::Hub;
-use sluice::plugin::{Limits, NetGrant, Registry};
+use sluice::plugin::{NetGrant, Registry, SandboxLimits};
 use sluice::server::AppState;
 use sluice::source::postgres::PostgresSource;
 use sluice::source::ChangeSource;
@@ -220,7 +220,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         "normal" => Durability::Normal,
         other => anyhow::bail!("--sync {other}: expected full or normal"),
     };
-    let limits = Limits {
+    let limits = SandboxLimits {
         call_deadline: Duration::from_millis(args.plugin_deadline_ms),
         memory_bytes: args.plugin_memory_mb << 20,
     };
@@ -249,7 +249,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(registry) = &registry {
         registry.warm_up();
     }
-    let filter_limits = Limits {
+    let filter_limits = SandboxLimits {
         call_deadline: Duration::from_millis(args.filter_deadline_ms),
         memory_bytes: args.filter_memory_mb << 20,
     };

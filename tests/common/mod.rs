@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
-use sluice::plugin::{Limits, NetGrant, Registry};
+use sluice::plugin::{NetGrant, Registry, SandboxLimits};
 use sluice::status::Status;
 use sluice::storage::postgres::{PgSettings, PostgresChangeLog, PostgresReader};
 use sluice::storage::sqlite::{Durability, SqliteChangeLog, SqliteReader};
@@ -333,7 +333,7 @@ pub struct Harness {
     pub task: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
-pub async fn start_mock(spec: &LogSpec, config: serde_json::Value, limits: Limits) -> Harness {
+pub async fn start_mock(spec: &LogSpec, config: serde_json::Value, limits: SandboxLimits) -> Harness {
     let dir = spec.sqlite.parent().unwrap().to_path_buf();
     let registry = Registry::load(&plugin_dir(), Some(dir.join("cache"))).await.unwrap();
     let source = registry.source("mock-source", config.to_string(), limits, NetGrant::default()).await.unwrap();

@@ -10,7 +10,7 @@ use wasmtime::{Engine, Store};
 
 use crate::plugin::bindings::filter::exports::sluice::plugin::filter::{Batch, Decision, TablePolicy};
 use crate::plugin::bindings::filter::{FilterPlugin, FilterPluginPre};
-use crate::plugin::{describe_failure, new_store, HostState, Limits, NetGrant};
+use crate::plugin::{describe_failure, new_store, HostState, NetGrant, SandboxLimits};
 use crate::source::model::PluginError;
 
 pub struct FilterInstance {
@@ -18,7 +18,7 @@ pub struct FilterInstance {
     store: Store<HostState>,
     plugin: FilterPlugin,
     handle: ResourceAny,
-    limits: Limits,
+    limits: SandboxLimits,
     /// Answers of `table-policy`, asked once per table (by schema, then
     /// name, so a lookup allocates nothing).
     policies: FxHashMap<String, FxHashMap<String, TablePolicy>>,
@@ -45,7 +45,7 @@ impl FilterInstance {
         pre: &FilterPluginPre<HostState>,
         name: &str,
         config: &str,
-        limits: Limits,
+        limits: SandboxLimits,
     ) -> Result<Self, String> {
         let mut store = new_store(engine, name, limits, &NetGrant::default());
         store.data_mut().arm_running_time(limits.call_deadline);

@@ -22,7 +22,7 @@ pub use instance::FilterInstance;
 pub use route::{route, Route};
 
 use crate::plugin::bindings::filter::exports::sluice::plugin::filter::{Decision, TablePolicy};
-use crate::plugin::{Limits, Registry};
+use crate::plugin::{Registry, SandboxLimits};
 
 /// One filter of a chain, as a subscriber asks for it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -459,19 +459,19 @@ pub fn is_data(message: &str) -> bool {
 /// Creates and shares filter groups.
 pub struct FilterHost {
     registry: Option<Arc<Registry>>,
-    limits: Limits,
+    limits: SandboxLimits,
     groups: tokio::sync::Mutex<HashMap<String, Weak<FilterGroup>>>,
 }
 
 impl FilterHost {
     /// `registry`: the plugin directory, if there is one.
-    pub fn new(registry: Option<Arc<Registry>>, limits: Limits) -> Arc<FilterHost> {
+    pub fn new(registry: Option<Arc<Registry>>, limits: SandboxLimits) -> Arc<FilterHost> {
         Arc::new(FilterHost { registry, limits, groups: Default::default() })
     }
 
     /// No filters available (no plugin directory).
     pub fn none() -> Arc<FilterHost> {
-        Self::new(None, Limits::default())
+        Self::new(None, SandboxLimits::default())
     }
 
     /// The group for `specs`, shared with subscribers that asked for the same

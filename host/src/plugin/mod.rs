@@ -12,7 +12,7 @@ mod sandbox;
 mod wasm_source;
 
 pub use registry::{PluginInfo, PluginKind, Registry};
-pub use sandbox::{describe_failure, new_store, HostState, Limits, NetGrant};
+pub use sandbox::{describe_failure, new_store, HostState, NetGrant, SandboxLimits};
 pub use wasm_source::WasmSource;
 
 /// The WIT package version this host speaks.

@@ -16,7 +16,7 @@ use wasmtime::Engine;
 use super::bindings::filter::FilterPluginPre;
 use super::bindings::SourcePluginPre;
 use super::cache::CodeCache;
-use super::sandbox::{self, HostState, Limits, NetGrant};
+use super::sandbox::{self, HostState, NetGrant, SandboxLimits};
 use super::wasm_source::WasmSource;
 use super::{WIT_PACKAGE, WIT_VERSION};
 
@@ -184,7 +184,7 @@ impl Registry {
         &self,
         name: &str,
         config: String,
-        limits: Limits,
+        limits: SandboxLimits,
         net: NetGrant,
     ) -> Result<WasmSource, String> {
         match &self.find(name, PluginKind::Source).await?.pre {
@@ -228,7 +228,7 @@ async fn load_one(
         .instantiate_pre(&component)
         .map_err(|e| format!("cannot be linked (it imports something this host does not provide): {e}"))?;
     // Structure is only checked at instantiation, so instantiate once now.
-    let mut store = sandbox::new_store(engine, &info.name, Limits::default(), &NetGrant::default());
+    let mut store = sandbox::new_store(engine, &info.name, SandboxLimits::default(), &NetGrant::default());
     match kind {
         PluginKind::Source => {
             let pre = SourcePluginPre::new(pre).map_err(|e| format!("does not match the source interface: {e}"))?;

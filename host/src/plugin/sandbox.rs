@@ -20,16 +20,16 @@ const EPOCH_TICK: Duration = Duration::from_millis(10);
 
 /// Resource limits for one plugin instance.
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
+pub struct SandboxLimits {
     /// Longest a single call into the plugin may run (wall clock).
     pub call_deadline: Duration,
     /// Most linear memory the instance may grow to.
     pub memory_bytes: usize,
 }
 
-impl Default for Limits {
+impl Default for SandboxLimits {
     fn default() -> Self {
-        Limits { call_deadline: Duration::from_secs(5), memory_bytes: 256 << 20 }
+        SandboxLimits { call_deadline: Duration::from_secs(5), memory_bytes: 256 << 20 }
     }
 }
 
@@ -130,7 +130,7 @@ impl wasmtime::ResourceLimiter for MemoryCap {
 }
 
 /// A fresh Store for one instance of `plugin`.
-pub fn new_store(engine: &Engine, plugin: &str, limits: Limits, net: &NetGrant) -> Store<HostState> {
+pub fn new_store(engine: &Engine, plugin: &str, limits: SandboxLimits, net: &NetGrant) -> Store<HostState> {
     let mut wasi = WasiCtxBuilder::new();
     wasi.stderr(LogPipe { plugin: plugin.into() });
     if !net.connect.is_empty() {
@@ -235,7 +235,7 @@ impl Drop for LogWriter {
 }
 
 /// A readable cause for a failed plugin call.
-pub fn describe_failure(err: &wasmtime::Error, state: &HostState, limits: Limits) -> String {
+pub fn describe_failure(err: &wasmtime::Error, state: &HostState, limits: SandboxLimits) -> String {
     if state.hit_memory_cap() {
         return format!("exceeded its memory limit of {} MiB", limits.memory_bytes >> 20);
     }

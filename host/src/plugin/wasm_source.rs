@@ -6,7 +6,7 @@ use wasmtime::{Engine, Store};
 
 use super::bindings::exports::sluice::plugin::source::ResumePoint;
 use super::bindings::{SourcePlugin, SourcePluginPre};
-use super::sandbox::{self, HostState, Limits, NetGrant};
+use super::sandbox::{self, HostState, NetGrant, SandboxLimits};
 use crate::source::model::{Message, PluginError};
 use crate::source::{ChangeSource, ChangeStream, Resume, SourceError};
 
@@ -15,7 +15,7 @@ pub struct WasmSource {
     name: String,
     pre: SourcePluginPre<HostState>,
     config: String,
-    limits: Limits,
+    limits: SandboxLimits,
     net: NetGrant,
 }
 
@@ -25,7 +25,7 @@ impl WasmSource {
         name: String,
         pre: SourcePluginPre<HostState>,
         config: String,
-        limits: Limits,
+        limits: SandboxLimits,
         net: NetGrant,
     ) -> Self {
         WasmSource { engine, name, pre, config, limits, net }
@@ -102,7 +102,7 @@ struct WasmStream {
     plugin: SourcePlugin,
     handle: ResourceAny,
     replica_version: String,
-    limits: Limits,
+    limits: SandboxLimits,
 }
 
 impl WasmStream {

@@ -76,7 +76,7 @@ pub struct Bounds {
 
 /// Rows per multi-row INSERT statement in the SQLite log (its limit on bound
 /// parameters keeps statements modest; the storer's batches are larger).
-pub const BATCH_ROWS: usize = 256;
+pub const SQLITE_INSERT_ROWS: usize = 256;
 
 pub trait ChangeLog: Send {
     /// The recorded lineage, or `None` for a log that was never initialized.

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::{Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, NewLineage, StoredRow, BATCH_ROWS};
+use super::{Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, NewLineage, StoredRow, SQLITE_INSERT_ROWS};
 
 const SCHEMA_VERSION: i64 = 1;
 
@@ -171,7 +171,7 @@ impl ChangeLog for SqliteChangeLog {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as i64)
             .unwrap_or(0);
-        for chunk in rows.chunks(BATCH_ROWS) {
+        for chunk in rows.chunks(SQLITE_INSERT_ROWS) {
             let mut stmt = self.conn.prepare_cached(&Self::insert_statement(chunk.len()))?;
             let mut i = 1;
             for row in chunk {

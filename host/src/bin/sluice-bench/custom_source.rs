@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use sluice::plugin::{Limits, Registry};
+use sluice::plugin::{Registry, SandboxLimits};
 use sluice::status::Status;
 use sluice::storage::sqlite::{Durability, SqliteChangeLog};
 use sluice::streamer::{Streamer, StreamerOptions};
@@ -67,8 +67,10 @@ async fn one(registry: &Registry, tmp: &Path, txs: u64, rows: u32, row_bytes: us
     }
     let config = serde_json::json!({"url": up.url()}).to_string();
     let grant = sluice::plugin::net::resolve(&sluice::plugin::net::config_endpoints(&config)?)?;
-    let source =
-        registry.source("zero-custom-source", config, Limits::default(), grant).await.map_err(anyhow::Error::msg)?;
+    let source = registry
+        .source("zero-custom-source", config, SandboxLimits::default(), grant)
+        .await
+        .map_err(anyhow::Error::msg)?;
     let db = tmp.join(format!("custom-{rows}-{row_bytes}.db"));
     let log = SqliteChangeLog::open(&db, Durability::Full)?;
     let status = Arc::new(Status::default());

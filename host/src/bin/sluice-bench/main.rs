@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sluice::change::Encoder;
-use sluice::plugin::{Limits, NetGrant, Registry};
+use sluice::plugin::{NetGrant, Registry, SandboxLimits};
 use sluice::source::ChangeSource;
 use sluice::status::Status;
 use sluice::storage::sqlite::{Durability, SqliteChangeLog};
@@ -381,7 +381,7 @@ async fn catchup(
     let txs: u64 = 100_000;
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": 100}).to_string();
     let source = registry
-        .source("mock-source", config, Limits::default(), NetGrant::default())
+        .source("mock-source", config, SandboxLimits::default(), NetGrant::default())
         .await
         .map_err(anyhow::Error::msg)?;
     let status = Arc::new(Status::default());
@@ -418,7 +418,7 @@ async fn catchup(
 async fn boundary(registry: &Registry, row_bytes: usize) -> anyhow::Result<()> {
     let config = serde_json::json!({"rows_per_tx": 100, "row_bytes": row_bytes}).to_string();
     let mut source = registry
-        .source("mock-source", config, Limits::default(), NetGrant::default())
+        .source("mock-source", config, SandboxLimits::default(), NetGrant::default())
         .await
         .map_err(anyhow::Error::msg)?;
     let mut stream = source.open(None).await?;
@@ -465,7 +465,7 @@ async fn store_with(
 ) -> anyhow::Result<()> {
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": rows, "row_bytes": row_bytes}).to_string();
     let source = registry
-        .source("mock-source", config, Limits::default(), NetGrant::default())
+        .source("mock-source", config, SandboxLimits::default(), NetGrant::default())
         .await
         .map_err(anyhow::Error::msg)?;
     let db = tmp.join(format!("store-{rows}-{row_bytes}-{durability:?}.db"));
@@ -523,7 +523,7 @@ async fn store_pg(registry: &Registry, tmp: &Path, url: &str, rows: u32, row_byt
     let txs: u64 = (if row_bytes > 512 { 100_000 } else { 200_000 } / rows as u64).clamp(2_000, 50_000);
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": rows, "row_bytes": row_bytes}).to_string();
     let source = registry
-        .source("mock-source", config, Limits::default(), NetGrant::default())
+        .source("mock-source", config, SandboxLimits::default(), NetGrant::default())
         .await
         .map_err(anyhow::Error::msg)?;
     let settings = pg_settings(url, &format!("bench{rows}x{row_bytes}"));

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sluice::plugin::{Limits, Registry};
+use sluice::plugin::{Registry, SandboxLimits};
 use sluice::source::{ChangeSource, Resume};
 
 use super::{free_addr, http_status, peak_rss_mib, sluice_binary, split_frame};
@@ -182,7 +182,7 @@ pub async fn run(registry: &Registry, addr_and_socket: (String, String), tmp: &s
     let endpoints = sluice::plugin::net::config_endpoints(&config)?;
     let grant = sluice::plugin::net::resolve(&endpoints)?;
     let mut source = registry
-        .source("mariadb-source", config.clone(), Limits::default(), grant)
+        .source("mariadb-source", config.clone(), SandboxLimits::default(), grant)
         .await
         .map_err(anyhow::Error::msg)?;
     let from = format!("{}.{start_pos}", mariadb_source::to_lexi(0));
