@@ -67,7 +67,7 @@ chaos: test-plugins
 		tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh $(CARGO) test --test chaos -- --nocapture --test-threads=1
 
 bench: plugins
-	$(CARGO) build --release --bin sluice --bin sluice-bench
+	$(CARGO) build --release -p sluice -p sluice-bench
 	tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh ./target/release/sluice-bench
 
 fmt:

@@ -10,11 +10,9 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::custom_upstream::{
-    column, event, insert, param, query_params, relation, snapshot, Fault, Tx, Upstream, SNAPSHOT,
-};
 use common::ws::Client;
 use common::*;
+use custom_upstream::{column, event, insert, param, query_params, relation, snapshot, Fault, Tx, Upstream, SNAPSHOT};
 use serde_json::{json, Value};
 use sluice::hub::Hub;
 use sluice::plugin::{NetGrant, Registry, SandboxLimits};

@@ -250,7 +250,7 @@ fn zeros_client_follows_a_zero_cache_style_custom_upstream_across_a_kill() {
 }
 
 fn custom_upstream_across_a_kill(zero_cache_style: bool) {
-    use common::custom_upstream::{event, snapshot, Tx, Upstream};
+    use custom_upstream::{event, snapshot, Tx, Upstream};
     const EVENTS: i64 = 3050;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let up = rt.block_on(Upstream::start(snapshot(50)));
@@ -274,7 +274,7 @@ fn custom_upstream_across_a_kill(zero_cache_style: bool) {
     };
     let mut sluice = spawn();
     let replica_version = wait_for_replica_version(&addr);
-    assert_eq!(replica_version, common::custom_upstream::SNAPSHOT);
+    assert_eq!(replica_version, custom_upstream::SNAPSHOT);
 
     // 1 snapshot (events 0..49) + one transaction per later event.
     let commits = (EVENTS - 50 + 1).to_string();
@@ -327,7 +327,7 @@ fn custom_upstream_across_a_kill(zero_cache_style: bool) {
     // the very first connection asked for a snapshot.
     let conns = up.connections();
     assert!(conns.len() >= 2, "{conns:?}");
-    assert!(conns[1..].iter().all(|q| common::custom_upstream::param(q, "lastWatermark").is_some()), "{conns:?}");
+    assert!(conns[1..].iter().all(|q| custom_upstream::param(q, "lastWatermark").is_some()), "{conns:?}");
 }
 
 /// Zero's client on the mariadb-source plugin: the initial snapshot and then

@@ -1,7 +1,6 @@
 //! Shared helpers for the integration tests.
 #![allow(dead_code)]
 
-pub mod custom_upstream;
 pub mod feed;
 pub mod mariadb;
 pub mod pgserver;

@@ -2,7 +2,7 @@
 //! no WASI capabilities beyond stderr to the log) and the `change-filter`
 //! resource created from one configuration.
 
-use filter_kit::scan::ColumnLocator;
+use json_scan::ColumnLocator;
 use rustc_hash::FxHashMap;
 
 use wasmtime::component::ResourceAny;

@@ -304,7 +304,7 @@ impl<'a, V> Recent<'a, V> {
 
     fn get(&self, schema: &str, name: &str) -> Option<&V> {
         // `same`: short names compare inline, not through a `memcmp` call.
-        let same = filter_kit::scan::same;
+        let same = json_scan::same;
         self.entries
             .iter()
             .find(|(s, n, _)| same(n.as_bytes(), name.as_bytes()) && same(s.as_bytes(), schema.as_bytes()))

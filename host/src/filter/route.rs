@@ -17,22 +17,22 @@ pub enum Route<'a> {
 
 /// A JSON string's contents up to its closing quote, if it has no escapes.
 fn plain_string(s: &str) -> Option<(&str, &str)> {
-    let end = filter_kit::scan::plain_string_end(s.as_bytes(), 0)?;
+    let end = json_scan::plain_string_end(s.as_bytes(), 0)?;
     Some((s.get(..end)?, s.get(end + 1..)?))
 }
 
 pub fn route(inner: &str) -> Route<'_> {
     let row = || -> Option<Route<'_>> {
-        // Row tags by word comparison (`filter_kit::tag_of`), then the
+        // Row tags by word comparison (`json_scan::tag_of`), then the
         // relation's names where the encoder puts them.
-        let tag = filter_kit::tag_of(inner);
+        let tag = json_scan::tag_of(inner);
         if !matches!(tag, "insert" | "update" | "delete") {
             return None;
         }
         const RELATION: &[u8] = b"\",\"relation\":{\"schema\":\"";
         let at = 8 + tag.len();
         let rest = inner.get(at..)?;
-        if rest.len() < RELATION.len() || !filter_kit::scan::same(&rest.as_bytes()[..RELATION.len()], RELATION) {
+        if rest.len() < RELATION.len() || !json_scan::same(&rest.as_bytes()[..RELATION.len()], RELATION) {
             return None;
         }
         let (schema, rest) = plain_string(&rest[RELATION.len()..])?;

@@ -601,7 +601,7 @@ fn tag_of(change: &str) -> String {
         #[serde(default)]
         tag: String,
     }
-    match filter_kit::tag_of(change) {
+    match json_scan::tag_of(change) {
         "" => serde_json::from_str::<Tagged>(change).map(|t| t.tag).unwrap_or_default(),
         tag => tag.to_string(),
     }

@@ -5,8 +5,11 @@
 
 pub mod redact;
 pub mod row;
-pub mod scan;
 pub mod table;
+
+/// The JSON scanner and tag reader, shared with the host.
+pub use json_scan as scan;
+pub use json_scan::tag_of;
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -182,36 +185,6 @@ pub fn split<'a>(texts: &'a str, ends: &'a [u32]) -> impl Iterator<Item = &'a st
         start = end as usize;
         Some(piece)
     })
-}
-
-/// The `tag` of a change object, read from its front (`{"tag":"insert",...`).
-pub fn tag_of(json: &str) -> &str {
-    // Written out for plugins: `strip_prefix` and `position` become a
-    // `memcmp` call and an iterator chain there, several times the cost.
-    const PREFIX: &[u8; 8] = b"{\"tag\":\"";
-    let b = json.as_bytes();
-    if b.len() < 8 || !scan::same(&b[..8], PREFIX) {
-        return "";
-    }
-    // Row changes, the bulk of a stream, by one 8-byte comparison each.
-    if b.len() >= 16 {
-        const ROWS: [(&[u8; 8], &str); 3] =
-            [(b"insert\",", "insert"), (b"update\",", "update"), (b"delete\",", "delete")];
-        for (word, tag) in ROWS {
-            if scan::same(&b[8..16], word) {
-                return tag;
-            }
-        }
-    }
-    let mut end = 8;
-    while end < b.len() && end < 40 {
-        match b[end] {
-            b'"' => return json.get(8..end).unwrap_or(""),
-            b'\\' => return "",
-            _ => end += 1,
-        }
-    }
-    ""
 }
 
 /// `{"schema":..,"name":..}` as a pair.

@@ -3,6 +3,40 @@
 //! parses only the few values it needs. The host only sends valid JSON
 //! (changes it encoded, or replacements it validated); on anything else the
 //! scanner returns `None` and the caller falls back to a full parse.
+//!
+//! Shared by the host (routing changes to filters, reading tags back from the
+//! change log) and the filter plugins; it has no dependencies, so it builds
+//! natively and for `wasm32-wasip2` alike.
+
+/// The `tag` of a change object, read from its front (`{"tag":"insert",...`).
+pub fn tag_of(json: &str) -> &str {
+    // Written out for plugins: `strip_prefix` and `position` become a
+    // `memcmp` call and an iterator chain there, several times the cost.
+    const PREFIX: &[u8; 8] = b"{\"tag\":\"";
+    let b = json.as_bytes();
+    if b.len() < 8 || !same(&b[..8], PREFIX) {
+        return "";
+    }
+    // Row changes, the bulk of a stream, by one 8-byte comparison each.
+    if b.len() >= 16 {
+        const ROWS: [(&[u8; 8], &str); 3] =
+            [(b"insert\",", "insert"), (b"update\",", "update"), (b"delete\",", "delete")];
+        for (word, tag) in ROWS {
+            if same(&b[8..16], word) {
+                return tag;
+            }
+        }
+    }
+    let mut end = 8;
+    while end < b.len() && end < 40 {
+        match b[end] {
+            b'"' => return json.get(8..end).unwrap_or(""),
+            b'\\' => return "",
+            _ => end += 1,
+        }
+    }
+    ""
+}
 
 #[inline(always)]
 fn ws(b: &[u8], mut i: usize) -> usize {
@@ -344,10 +378,62 @@ pub fn member<'a>(text: &'a str, name: &str) -> Option<&'a str> {
 /// The text of a raw key (as [`members`] returns it), unescaped if needed.
 pub fn key_text(raw: &str) -> Option<std::borrow::Cow<'_, str>> {
     if raw.contains('\\') {
-        serde_json::from_str::<String>(&format!("\"{raw}\"")).ok().map(Into::into)
+        unescape(raw).map(Into::into)
     } else {
         Some(raw.into())
     }
+}
+
+/// Four hex digits of a `\\u` escape.
+fn hex4(chars: &mut std::str::Chars<'_>) -> Option<u32> {
+    let digits: String = chars.take(4).collect();
+    if digits.len() != 4 {
+        return None;
+    }
+    u32::from_str_radix(&digits, 16).ok()
+}
+
+/// The text of a JSON string's contents (without its quotes); `None` for a
+/// malformed escape or a lone surrogate.
+pub fn unescape(raw: &str) -> Option<String> {
+    let mut out = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        let decoded = match chars.next()? {
+            '"' => '"',
+            '\\' => '\\',
+            '/' => '/',
+            'b' => '\u{8}',
+            'f' => '\u{c}',
+            'n' => '\n',
+            'r' => '\r',
+            't' => '\t',
+            'u' => {
+                let first = hex4(&mut chars)?;
+                let code = if (0xD800..0xDC00).contains(&first) {
+                    // A high surrogate: its low half must follow as \uXXXX.
+                    if chars.next()? != '\\' || chars.next()? != 'u' {
+                        return None;
+                    }
+                    let low = hex4(&mut chars)?;
+                    if !(0xDC00..0xE000).contains(&low) {
+                        return None;
+                    }
+                    0x10000 + ((first - 0xD800) << 10) + (low - 0xDC00)
+                } else {
+                    first
+                };
+                char::from_u32(code)?
+            }
+            _ => return None,
+        };
+        out.push(decoded);
+    }
+    Some(out)
 }
 
 /// A row change's parts as raw JSON: `relation`, the old `key` (absent or
@@ -552,7 +638,7 @@ impl ColumnLocator {
     fn locate_compact(&self, json: &str, spans: &mut [u32]) -> Option<()> {
         let k = self.columns.len();
         // Row tags are read by word comparison; other tags have no rows.
-        let tag = crate::tag_of(json);
+        let tag = tag_of(json);
         if !matches!(tag, "insert" | "update" | "delete") {
             return if tag.is_empty() { None } else { Some(()) };
         }
@@ -601,7 +687,7 @@ impl ColumnLocator {
     /// Any JSON text: white space, escaped keys, members in any order.
     fn locate_general(&self, json: &str, spans: &mut [u32]) {
         let k = self.columns.len();
-        if !matches!(crate::tag_of(json), "insert" | "update" | "delete") {
+        if !matches!(tag_of(json), "insert" | "update" | "delete") {
             return;
         }
         let read = self.reader.read(json, |row, new| {
@@ -662,6 +748,24 @@ pub fn spanned<'a>(json: &'a str, spans: &[u32], i: usize) -> Option<&'a str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unescapes_like_json() {
+        assert_eq!(unescape(r#"a\"b\\c\/\n\t"#).as_deref(), Some("a\"b\\c/\n\t"));
+        assert_eq!(unescape(r"\u00e9\u20ac").as_deref(), Some("\u{e9}\u{20ac}"));
+        assert_eq!(unescape(r"\ud83d\ude00").as_deref(), Some("\u{1f600}"), "a surrogate pair");
+        assert_eq!(unescape(r"\ud83d"), None, "a lone high surrogate");
+        assert_eq!(unescape(r"\x"), None);
+        assert_eq!(unescape(r"\u12"), None);
+        assert_eq!(key_text(r#"a\"b"#).as_deref(), Some("a\"b"));
+    }
+
+    #[test]
+    fn tags_are_read_from_the_front() {
+        assert_eq!(tag_of(r#"{"tag":"insert","relation":{}}"#), "insert");
+        assert_eq!(tag_of(r#"{"tag":"create-table","spec":{}}"#), "create-table");
+        assert_eq!(tag_of(r#"{"relation":{},"tag":"insert"}"#), "", "not at the front");
+    }
 
     #[test]
     fn walks_members_with_nesting_and_escapes() {

@@ -14,10 +14,6 @@ use sluice::storage::sqlite::{Durability, SqliteChangeLog};
 use sluice::streamer::{Streamer, StreamerOptions};
 use tokio::sync::watch;
 
-#[path = "../../../../tests/common/custom_upstream.rs"]
-#[allow(dead_code)]
-mod custom_upstream;
-
 use custom_upstream::{Tx, Upstream};
 
 pub async fn run(registry: &Registry, tmp: &Path) -> anyhow::Result<()> {
