@@ -38,17 +38,17 @@ fn pg_spec(dir: &tempfile::TempDir) -> LogSpec {
 }
 
 /// A streamer as task "task-id" on a fed source, over a fresh Postgres log.
-fn fed_harness() -> (tempfile::TempDir, LogSpec, Feed, Harness) {
+async fn fed_harness() -> (tempfile::TempDir, LogSpec, Feed, Harness) {
     let dir = tempfile::tempdir().unwrap();
     let spec = pg_spec(&dir);
     let feed = Feed::default();
-    let h = start(&spec, Box::new(feed.clone()), options());
+    let h = start(&spec, Box::new(feed.clone()), options()).await;
     (dir, spec, feed, h)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uses_zeros_schema_and_records_the_owner() {
-    let (_dir, spec, feed, h) = fed_harness();
+    let (_dir, spec, feed, h) = fed_harness().await;
     feed.tx("09", &[1, 2]);
     stored(&h, "09").await;
     let c = spec.pg_client().await;
@@ -88,7 +88,7 @@ async fn uses_zeros_schema_and_records_the_owner() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_before_a_transaction_stops_the_old_owner_without_writing() {
-    let (_dir, spec, feed, h) = fed_harness();
+    let (_dir, spec, feed, mut h) = fed_harness().await;
     feed.tx("0d", &[1]);
     stored(&h, "0d").await;
     let c = spec.pg_client().await;
@@ -103,7 +103,7 @@ async fn a_takeover_before_a_transaction_stops_the_old_owner_without_writing() {
     .unwrap();
     feed.tx("0f", &[2]);
     // The streamer stops on its own, cleanly.
-    let result = tokio::time::timeout(WAIT, h.task).await.expect("the streamer stops").unwrap();
+    let result = tokio::time::timeout(WAIT, h.finished()).await.expect("the streamer stops");
     assert!(result.is_ok(), "{result:?}");
     assert_eq!(spec.committed().await, ["0d"]);
     let row = c
@@ -119,7 +119,7 @@ async fn a_takeover_before_a_transaction_stops_the_old_owner_without_writing() {
 /// written, so its storage transaction holds the `replicationState` row);
 /// also a client of the change DB and the query that probes the lock.
 async fn owner_inside_a_transaction() -> (tempfile::TempDir, LogSpec, Feed, Harness, tokio_postgres::Client, String) {
-    let (dir, spec, feed, h) = fed_harness();
+    let (dir, spec, feed, h) = fed_harness().await;
     feed.tx("03", &[1]);
     stored(&h, "03").await;
     feed.push(begin("05"));
@@ -170,10 +170,10 @@ async fn wait_for_row_lock(c: &tokio_postgres::Client, s: &str) -> String {
 /// subscriber misses what the old owner stored last.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_resumes_after_the_old_owners_last_commit() {
-    let (_dir, spec, feed, old_owner, c, _) = owner_inside_a_transaction().await;
+    let (_dir, spec, feed, mut old_owner, c, _) = owner_inside_a_transaction().await;
 
     let next = Feed::default();
-    let new_owner = start_new_owner(&spec, &next);
+    let new_owner = start_new_owner(&spec, &next).await;
     // The takeover queues behind the old owner's open storage transaction.
     wait_for_takeover_lock(&c).await;
     assert!(next.opens.lock().unwrap().is_empty(), "the source is opened only after ownership is held");
@@ -188,7 +188,7 @@ async fn a_takeover_resumes_after_the_old_owners_last_commit() {
     assert_eq!(spec.committed().await, ["03", "05"]);
     // The old owner notices at its next storage transaction and stops cleanly.
     feed.tx("07", &[3]);
-    let result = tokio::time::timeout(WAIT, old_owner.task).await.expect("the old owner stops").unwrap();
+    let result = tokio::time::timeout(WAIT, old_owner.finished()).await.expect("the old owner stops");
     assert!(result.is_ok(), "{result:?}");
     next.tx("09", &[4]);
     stored(&new_owner, "09").await;
@@ -197,9 +197,9 @@ async fn a_takeover_resumes_after_the_old_owners_last_commit() {
 }
 
 /// Host "task-b" on `feed`, over the same change DB.
-fn start_new_owner(spec: &LogSpec, feed: &Feed) -> Harness {
+async fn start_new_owner(spec: &LogSpec, feed: &Feed) -> Harness {
     let options = StreamerOptions { task_id: "task-b".into(), advertise: "b:1".into(), ..options() };
-    start(&spec.as_task("task-b"), Box::new(feed.clone()), options)
+    start(&spec.as_task("task-b"), Box::new(feed.clone()), options).await
 }
 
 /// Waits until a takeover (the `owner` update) waits for the row lock.
@@ -228,7 +228,7 @@ async fn a_subscriber_during_a_takeover_waits_for_it() {
     let (_dir, spec, feed, old_owner, c, _) = owner_inside_a_transaction().await;
 
     let next = Feed::default();
-    let new_owner = start_new_owner(&spec, &next);
+    let new_owner = start_new_owner(&spec, &next).await;
     wait_for_takeover_lock(&c).await;
     let served = serve_hub(new_owner.hub.clone(), new_owner.status.clone()).await;
     let mut sub = ws::Client::subscribe(&served.addr, "03").await;
@@ -261,7 +261,7 @@ async fn a_subscriber_during_a_takeover_waits_for_it() {
 }
 
 async fn stops_cleanly_when(drop_sql: &str) {
-    let (_dir, spec, feed, h) = fed_harness();
+    let (_dir, spec, feed, mut h) = fed_harness().await;
     feed.tx("03", &[1]);
     stored(&h, "03").await;
     let c = spec.pg_client().await;
@@ -269,7 +269,7 @@ async fn stops_cleanly_when(drop_sql: &str) {
     // The stream fails, the reopen finds the tables gone.
     feed.fail();
     feed.tx("05", &[2]);
-    let result = tokio::time::timeout(WAIT, h.task).await.expect("the streamer stops").unwrap();
+    let result = tokio::time::timeout(WAIT, h.finished()).await.expect("the streamer stops");
     assert!(result.is_ok(), "a clean stop, not an error: {result:?}");
     let state = h.status.snapshot().source;
     assert!(format!("{state:?}").contains("gone"), "{state:?}");
@@ -287,7 +287,7 @@ async fn a_dropped_schema_stops_the_service_cleanly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_deletes_below_the_floor_and_keeps_the_latest_transaction() {
-    let (_dir, spec, feed, h) = fed_harness();
+    let (_dir, spec, feed, h) = fed_harness().await;
     feed.tx("03", &[1]);
     feed.tx("06", &[2]);
     stored(&h, "06").await;
@@ -452,7 +452,7 @@ async fn a_wedged_change_db_stops_the_service() {
         ..options()
     };
     let feed = Feed::default();
-    let h = start(&spec, Box::new(feed.clone()), options);
+    let mut h = start(&spec, Box::new(feed.clone()), options).await;
     feed.tx("03", &[1]);
     stored(&h, "03").await;
     // Another session holds the change log hostage.
@@ -462,7 +462,7 @@ async fn a_wedged_change_db_stops_the_service() {
     for i in 0..200 {
         feed.tx(&lexi(10 + i), &[i as i64; 20]);
     }
-    let result = tokio::time::timeout(WAIT, h.task).await.expect("the streamer stops").unwrap();
+    let result = tokio::time::timeout(WAIT, h.finished()).await.expect("the streamer stops");
     let err = result.unwrap_err().to_string();
     assert!(err.contains("Considering the change-log to be wedged") || err.contains("did not drain"), "{err}");
     c.batch_execute("ROLLBACK").await.unwrap();
@@ -470,7 +470,7 @@ async fn a_wedged_change_db_stops_the_service() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acks_never_run_ahead_of_the_durable_log() {
-    let (_dir, spec, feed, h) = fed_harness();
+    let (_dir, spec, feed, h) = fed_harness().await;
     feed.tx("03", &[1]);
     stored(&h, "03").await;
     let acks = feed.acks.clone();

@@ -1097,7 +1097,7 @@ async fn fuzz_subscriber_endpoint() {
             commits += 1;
         }
     }
-    assert!(!harness.task.is_finished(), "the replication loop keeps running");
+    assert!(!harness.is_finished(), "the replication loop keeps running");
     println!(
         "fuzz subscriber endpoint: {requests} requests ({statuses} got a status or error message, {closes} closed, \
          {refused} refused before the upgrade); the host kept serving"
@@ -1177,20 +1177,22 @@ async fn fuzz_plugin_messages_into_the_loop() {
                 None => feed.fail(),
             }
         }
-        let harness = start(&spec, Box::new(feed.clone()), sluice::streamer::StreamerOptions::default());
+        let mut harness = start(&spec, Box::new(feed.clone()), sluice::streamer::StreamerOptions::default()).await;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let done = harness.status.snapshot().last_watermark.as_deref() == Some(sentinel.as_str());
-            if done || harness.task.is_finished() {
+            if done || harness.is_finished() {
                 break;
             }
             assert!(Instant::now() < deadline, "the loop neither stored the sentinel nor stopped (seed {seed})");
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        if harness.task.is_finished() {
+        if harness.is_finished() {
             stopped += 1;
             // A protocol violation stops the loop with a message; a panic would be a JoinError.
-            harness.task.await.expect("the replication loop does not panic").err();
+            if let Err(e) = harness.finished().await {
+                assert!(!format!("{e:#}").contains("panicked"), "the replication loop does not panic: {e:#}");
+            }
         } else {
             harness.stop().await.expect("a clean stop");
         }

@@ -252,8 +252,8 @@ async fn data_before_begin_stops_the_service(backend: Backend) {
     let dir = tmp();
     let spec = LogSpec::new(backend, dir.path());
     let src = Scripted::new(vec![("01", vec![relation(), insert(1)])]);
-    let h = start(&spec, Box::new(src), StreamerOptions::default());
-    let err = h.task.await.unwrap().unwrap_err().to_string();
+    let mut h = start(&spec, Box::new(src), StreamerOptions::default()).await;
+    let err = h.finished().await.unwrap_err().to_string();
     assert_eq!(err, "data change (insert) received before 'begin' message");
     assert_eq!(spec.rows().await.len(), 0, "no lineage is recorded before its first transaction is durable");
 }
@@ -262,8 +262,8 @@ async fn mismatched_commit_watermark_stops_the_service(backend: Backend) {
     let dir = tmp();
     let spec = LogSpec::new(backend, dir.path());
     let src = Scripted::new(vec![("01", vec![relation(), begin("0b"), insert(1), commit("0c")])]);
-    let h = start(&spec, Box::new(src), StreamerOptions::default());
-    let err = h.task.await.unwrap().unwrap_err().to_string();
+    let mut h = start(&spec, Box::new(src), StreamerOptions::default()).await;
+    let err = h.finished().await.unwrap_err().to_string();
     assert_eq!(err, "commit watermark 0c does not match 'begin' watermark 0b");
     assert_eq!(spec.rows().await.len(), 0);
 }
@@ -284,7 +284,7 @@ async fn acks_commits_once_durable_and_echoes_statuses_after_them(backend: Backe
             status("0d", true),
         ],
     )]);
-    let h = start(&spec, Box::new(src.clone()), StreamerOptions::default());
+    let h = start(&spec, Box::new(src.clone()), StreamerOptions::default()).await;
     let acks = src.clone();
     wait_until("acks", WAIT, || {
         let n = acks.acks().len();
@@ -328,7 +328,7 @@ async fn a_stream_failing_mid_transaction_is_reopened_at_the_durable_watermark(b
         ),
         ("01", vec![relation(), begin("09"), insert(2), commit("09")]),
     ]);
-    let h = start(&spec, Box::new(src.clone()), StreamerOptions::default());
+    let h = start(&spec, Box::new(src.clone()), StreamerOptions::default()).await;
     h.wait_for_watermark("09", WAIT).await;
     h.stop().await.unwrap();
     assert_eq!(src.opens()[..2], [None, Some("05".to_string())], "a new log opens from the start");
@@ -344,7 +344,7 @@ async fn replayed_transactions_are_skipped_not_duplicated(backend: Backend) {
         // A sloppy upstream replays 05 after resuming from it.
         ("01", vec![relation(), begin("05"), insert(1), commit("05"), begin("07"), insert(2), commit("07")]),
     ]);
-    let h = start(&spec, Box::new(src), StreamerOptions::default());
+    let h = start(&spec, Box::new(src), StreamerOptions::default()).await;
     h.wait_for_watermark("07", WAIT).await;
     h.stop().await.unwrap();
     assert_eq!(spec.committed().await, ["05", "07"]);
@@ -359,7 +359,7 @@ async fn reset_required_is_recorded_and_auto_reset_starts_a_new_lineage(backend:
         ("0z", vec![relation(), begin("110"), insert(1), commit("110")]),
     ]);
     let options = StreamerOptions { auto_reset: true, ..StreamerOptions::default() };
-    let h = start(&spec, Box::new(src.clone()), options);
+    let h = start(&spec, Box::new(src.clone()), options).await;
     h.wait_for_watermark("110", WAIT).await;
     h.stop().await.unwrap();
     // The second open asked for a fresh lineage; the log was rebuilt for it.
@@ -379,7 +379,7 @@ async fn reset_required_without_auto_reset_is_recorded_and_streaming_goes_on(bac
         "01",
         vec![relation(), begin("05"), insert(1), commit("05"), reset, begin("07"), insert(2), commit("07")],
     )]);
-    let h = start(&spec, Box::new(src), StreamerOptions::default());
+    let h = start(&spec, Box::new(src), StreamerOptions::default()).await;
     h.wait_for_watermark("07", WAIT).await;
     assert!(h.status.snapshot().reset_required);
     h.stop().await.unwrap();
@@ -390,12 +390,12 @@ async fn a_different_replica_version_resets_the_log(backend: Backend) {
     let dir = tmp();
     let spec = LogSpec::new(backend, dir.path());
     let first = Scripted::new(vec![("01", vec![relation(), begin("05"), insert(1), commit("05")])]);
-    let h = start(&spec, Box::new(first), StreamerOptions::default());
+    let h = start(&spec, Box::new(first), StreamerOptions::default()).await;
     h.wait_for_watermark("05", WAIT).await;
     h.stop().await.unwrap();
 
     let second = Scripted::new(vec![("02", vec![relation(), begin("03"), insert(9), commit("03")])]);
-    let h = start(&spec, Box::new(second.clone()), StreamerOptions::default());
+    let h = start(&spec, Box::new(second.clone()), StreamerOptions::default()).await;
     let status = h.status.clone();
     wait_until("the new lineage at 03", WAIT, || {
         let s = status.snapshot();

@@ -15,23 +15,21 @@ use common::ws::*;
 use common::*;
 use serde_json::{json, Value as Json};
 use sluice::filter::{FilterHost, FilterSpec};
-use sluice::hub::Hub;
 use sluice::plugin::{Registry, SandboxLimits};
-use sluice::server::AppState;
+use sluice::service::{Service, ServiceConfig};
 use sluice::source::model::{
     ColumnSpec, CreateTable, Insert, KeyType, Message, Relation, SchemaChange, TableName, TableSpec, Truncate, Update,
     Value,
 };
 use sluice::status::Status;
-use sluice::streamer::{Streamer, StreamerOptions};
-use tokio::sync::watch;
 
 struct Server {
     addr: String,
     feed: Feed,
     status: Arc<Status>,
     filters: Arc<FilterHost>,
-    _stop: watch::Sender<bool>,
+    /// Dropping it stops the service.
+    _service: Service,
     _dir: tempfile::TempDir,
 }
 
@@ -40,31 +38,23 @@ async fn server() -> Server {
     let dir = tempfile::tempdir().unwrap();
     let spec = LogSpec::new(Backend::Sqlite, dir.path());
     let (log, reader) = spec.open();
-    let status = Arc::new(Status::default());
-    let hub = Hub::new(reader, status.clone());
-    let (stop, stop_rx) = watch::channel(false);
     let registry = Registry::load(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap();
     let filters = FilterHost::new(Some(Arc::new(registry)), limits);
-    let app = AppState {
-        hub: hub.clone(),
-        status: status.clone(),
-        subscriber_limits: sluice::subscriber::Limits::default(),
-        ping_interval: Duration::from_secs(30),
-        filters: filters.clone(),
-    };
-    let (addr, serve) =
-        sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx.clone()).await.unwrap();
-    tokio::spawn(serve);
     let feed = Feed::with_snapshot();
-    let streamer = Streamer::new(Box::new(feed.clone()), log, hub, StreamerOptions::default(), status.clone());
-    tokio::spawn(streamer.run(stop_rx));
+    let config = ServiceConfig {
+        filters: filters.clone(),
+        cleanup: None,
+        ..ServiceConfig::new(Box::new(feed.clone()), log, reader)
+    };
+    let service = Service::start(config).await.unwrap();
+    let (addr, status) = (service.addr(), service.status().clone());
     let st = status.clone();
-    wait_until("the stream to open", WAIT, || {
+    wait_until("the snapshot to be stored", WAIT, || {
         let rv = st.snapshot().replica_version;
         async move { rv.is_some() }
     })
     .await;
-    Server { addr: addr.to_string(), feed, status, filters, _stop: stop, _dir: dir }
+    Server { addr: addr.to_string(), feed, status, filters, _service: service, _dir: dir }
 }
 
 impl Server {

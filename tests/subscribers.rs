@@ -5,7 +5,6 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::feed::*;
 use common::ws::*;
@@ -13,11 +12,9 @@ use common::*;
 use futures::{SinkExt, StreamExt};
 use sluice::cleanup::{purge_once, CleanupOptions};
 use sluice::hub::Hub;
-use sluice::server::AppState;
+use sluice::service::{Service, ServiceConfig};
 use sluice::source::model::Message;
 use sluice::status::{LineageState, Status};
-use sluice::streamer::{Streamer, StreamerOptions};
-use tokio::sync::watch;
 use tokio_tungstenite::tungstenite::Message as Ws;
 
 on_both_backends!(
@@ -45,7 +42,8 @@ struct Server {
     status: Arc<Status>,
     hub: Arc<Hub>,
     feed: Feed,
-    stop: watch::Sender<bool>,
+    /// Dropping it stops the service.
+    _service: Service,
     _dir: tempfile::TempDir,
 }
 
@@ -65,22 +63,14 @@ async fn start_server(backend: Backend, limits: sluice::subscriber::Limits, feed
     let dir = tempfile::tempdir().unwrap();
     let spec = LogSpec::new(backend, dir.path());
     let (log, reader) = spec.open();
-    let status = Arc::new(Status::default());
-    let hub = Hub::new(reader, status.clone());
-    let (stop, stop_rx) = watch::channel(false);
-    let app = AppState {
-        hub: hub.clone(),
-        status: status.clone(),
+    let config = ServiceConfig {
         subscriber_limits: limits,
-        ping_interval: Duration::from_secs(30),
-        filters: sluice::filter::FilterHost::none(),
+        cleanup: None,
+        ..ServiceConfig::new(Box::new(feed.clone()), log, reader)
     };
-    let (addr, serve) =
-        sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx.clone()).await.unwrap();
-    tokio::spawn(serve);
-    let streamer = Streamer::new(Box::new(feed.clone()), log, hub.clone(), StreamerOptions::default(), status.clone());
-    tokio::spawn(streamer.run(stop_rx));
-    Server { addr: addr.to_string(), spec, status, hub, feed, stop, _dir: dir }
+    let service = Service::start(config).await.unwrap();
+    let (addr, status, hub) = (service.addr().to_string(), service.status().clone(), service.hub().clone());
+    Server { addr, spec, status, hub, feed, _service: service, _dir: dir }
 }
 
 async fn server(backend: Backend) -> Server {
@@ -90,12 +80,6 @@ async fn server(backend: Backend) -> Server {
 impl Server {
     async fn stored(&self, w: &str) {
         wait_stored(&self.status, w).await;
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.stop.send(true);
     }
 }
 

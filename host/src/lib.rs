@@ -3,7 +3,8 @@
 //! Data flows `source` -> `streamer` (the replication loop) -> `storer`
 //! (durable change log in `storage`) and through `hub` / `forwarder` to each
 //! `subscriber`, whose frames leave through `server` (optionally through a
-//! `filter` chain). Plugins sit at the edge in `plugin`.
+//! `filter` chain). Plugins sit at the edge in `plugin`. `service` assembles
+//! them into a running change streamer.
 
 pub mod catchup;
 pub mod change;
@@ -13,6 +14,7 @@ pub mod forwarder;
 pub mod hub;
 pub mod plugin;
 pub mod server;
+pub mod service;
 pub mod source;
 pub mod status;
 pub mod storage;

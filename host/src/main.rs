@@ -7,19 +7,16 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use tokio::sync::watch;
 
 use sluice::cleanup::CleanupOptions;
-use sluice::hub::Hub;
 use sluice::plugin::{NetGrant, Registry, SandboxLimits};
-use sluice::server::AppState;
+use sluice::service::{Service, ServiceConfig};
 use sluice::source::postgres::PostgresSource;
 use sluice::source::ChangeSource;
-use sluice::status::Status;
 use sluice::storage::postgres::{PgSettings, PostgresChangeLog, PostgresReader};
 use sluice::storage::sqlite::{Durability, SqliteChangeLog, SqliteReader};
 use sluice::storer::StorerOptions;
-use sluice::streamer::{Streamer, StreamerOptions};
+use sluice::streamer::StreamerOptions;
 
 #[derive(Parser)]
 #[command(name = "sluice", version, about = "A pluggable change streamer that speaks Zero's change-streamer protocol")]
@@ -286,76 +283,42 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         };
 
-    let status = Arc::new(Status::default());
-    let hub = Hub::new(reader, status.clone());
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let app = AppState {
-        hub: hub.clone(),
-        status: status.clone(),
-        subscriber_limits: sluice::subscriber::Limits {
-            backlog_bytes: args.backlog_mb << 20,
-            ..sluice::subscriber::Limits::default()
-        },
-        ping_interval: Duration::from_secs(30),
-        filters,
-    };
-    let (addr, serve) = sluice::server::bind(&args.listen, sluice::server::router(app), stop_rx.clone()).await?;
     let cleanup = CleanupOptions {
         purge_interval: Duration::from_secs(args.purge_interval_secs.max(1)),
         retain_transactions: args.retain_transactions,
         retain_for: args.retain_secs.map(Duration::from_secs),
         lag_grace: (args.lag_grace_secs > 0).then(|| Duration::from_secs(args.lag_grace_secs)),
     };
-    tokio::spawn(sluice::cleanup::run(hub.clone(), status.clone(), cleanup, stop_rx.clone()));
-    tokio::spawn(log_progress(status.clone(), stop_rx.clone()));
-    let options = StreamerOptions {
-        storer: StorerOptions { queue_budget: args.queue_budget_mb << 20, ..StorerOptions::default() },
-        auto_reset: args.auto_reset,
-        task_id: args.task_id.clone(),
-        advertise: args.advertise.clone().unwrap_or_else(|| addr.to_string()),
-        wedge_timeout: Duration::from_millis(args.statement_timeout_ms),
-        ..StreamerOptions::default()
+    let config = ServiceConfig {
+        listen: args.listen.clone(),
+        advertise: args.advertise.clone(),
+        streamer: StreamerOptions {
+            storer: StorerOptions { queue_budget: args.queue_budget_mb << 20, ..StorerOptions::default() },
+            auto_reset: args.auto_reset,
+            task_id: args.task_id.clone(),
+            wedge_timeout: Duration::from_millis(args.statement_timeout_ms),
+            ..StreamerOptions::default()
+        },
+        cleanup: Some(cleanup),
+        subscriber_limits: sluice::subscriber::Limits {
+            backlog_bytes: args.backlog_mb << 20,
+            ..sluice::subscriber::Limits::default()
+        },
+        filters,
+        log_progress: true,
+        ..ServiceConfig::new(source, log, reader)
     };
+    let mut service = Service::start(config).await?;
+    let addr = service.addr();
     tracing::info!(
         "sluice listening on ws://{addr}/replication/v6/changes (status: http://{addr}/status); change log {}",
         where_
     );
-    let mut streamer = Streamer::new(source, log, hub, options, status);
-    // Before the first request is served: a subscriber that comes at once
-    // finds the existing log (and, on a shared change DB, waits for ownership).
-    streamer.seed_hub();
-    let server = tokio::spawn(serve);
-    tokio::spawn(async move {
-        wait_for_signal().await;
-        tracing::info!("shutting down");
-        let _ = stop_tx.send(true);
-    });
-    let result = streamer.run(stop_rx).await;
-    server.abort();
-    result
-}
-
-/// Every 10 s while transactions are being stored, one line of progress.
-async fn log_progress(status: Arc<Status>, mut stop: watch::Receiver<bool>) {
-    let mut last = 0u64;
-    let mut tick = tokio::time::interval(Duration::from_secs(10));
-    tick.tick().await;
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.changed() => return,
-        }
-        let s = status.snapshot();
-        if s.transactions > last {
-            tracing::info!(
-                "stored {} transactions ({:.0}/s), {} changes; last watermark {}; {} subscribers",
-                s.transactions,
-                (s.transactions - last) as f64 / 10.0,
-                s.changes,
-                s.last_watermark.as_deref().unwrap_or("-"),
-                s.subscribers
-            );
-            last = s.transactions;
+    tokio::select! {
+        result = service.finished() => result,
+        _ = wait_for_signal() => {
+            tracing::info!("shutting down");
+            service.stop().await
         }
     }
 }

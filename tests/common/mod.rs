@@ -15,11 +15,12 @@ use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 use sluice::plugin::{NetGrant, Registry, SandboxLimits};
+use sluice::service::{Service, ServiceConfig};
 use sluice::status::Status;
 use sluice::storage::postgres::{PgSettings, PostgresChangeLog, PostgresReader};
 use sluice::storage::sqlite::{Durability, SqliteChangeLog, SqliteReader};
 use sluice::storage::{ChangeLog, LogReader};
-use sluice::streamer::{Streamer, StreamerOptions};
+use sluice::streamer::StreamerOptions;
 use tokio::sync::watch;
 
 /// Generates a `sqlite` and a `postgres` test for each storage test
@@ -324,29 +325,32 @@ impl LogSpec {
     }
 }
 
-/// A streamer on a source, over a change log.
+/// Sluice on a source, over a change log, assembled as `sluice run` does
+/// (endpoint on a free port), without cleanup, so a test sees every row.
 pub struct Harness {
     pub status: Arc<Status>,
     pub hub: Arc<sluice::hub::Hub>,
-    stop: watch::Sender<bool>,
-    pub task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    pub service: Service,
 }
 
 pub async fn start_mock(spec: &LogSpec, config: serde_json::Value, limits: SandboxLimits) -> Harness {
     let dir = spec.sqlite.parent().unwrap().to_path_buf();
     let registry = Registry::load(&plugin_dir(), Some(dir.join("cache"))).await.unwrap();
     let source = registry.source("mock-source", config.to_string(), limits, NetGrant::default()).await.unwrap();
-    start(spec, Box::new(source), StreamerOptions::default())
+    start(spec, Box::new(source), StreamerOptions::default()).await
 }
 
-pub fn start(spec: &LogSpec, source: Box<dyn sluice::source::ChangeSource>, options: StreamerOptions) -> Harness {
+pub async fn start(spec: &LogSpec, source: Box<dyn sluice::source::ChangeSource>, options: StreamerOptions) -> Harness {
     let (log, reader) = spec.open();
-    let status = Arc::new(Status::default());
-    let (stop, stop_rx) = watch::channel(false);
-    let hub = sluice::hub::Hub::new(reader, status.clone());
-    let streamer = Streamer::new(source, log, hub.clone(), options, status.clone());
-    let task = tokio::spawn(streamer.run(stop_rx));
-    Harness { status, hub, stop, task }
+    let config = ServiceConfig {
+        // What the test's options say is recorded as the owner's address.
+        advertise: Some(options.advertise.clone()),
+        streamer: options,
+        cleanup: None,
+        ..ServiceConfig::new(source, log, reader)
+    };
+    let service = Service::start(config).await.unwrap();
+    Harness { status: service.status().clone(), hub: service.hub().clone(), service }
 }
 
 impl Harness {
@@ -360,8 +364,16 @@ impl Harness {
     }
 
     pub async fn stop(self) -> anyhow::Result<()> {
-        let _ = self.stop.send(true);
-        self.task.await.unwrap()
+        self.service.stop().await
+    }
+
+    /// Resolves when the replication loop ends by itself (with its error).
+    pub async fn finished(&mut self) -> anyhow::Result<()> {
+        self.service.finished().await
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.service.is_finished()
     }
 }
 

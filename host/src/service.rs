@@ -1,0 +1,181 @@
+//! The service, assembled in one place: a source and a change log in, a
+//! running change streamer out (the subscriber endpoint, the replication
+//! loop, cleanup), with its address, its status and a clean stop.
+//!
+//! The start-up order lives only here:
+//! 1. status and hub over the log's reader;
+//! 2. the endpoint is bound (so the address to advertise is known) but does
+//!    not serve yet;
+//! 3. cleanup and progress logging start;
+//! 4. the streamer seeds the hub with the existing log's lineage, so a
+//!    subscriber that comes at once finds it (and, on a shared change DB,
+//!    waits for this host to own it) instead of being turned away;
+//! 5. the endpoint serves and the loop runs.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::cleanup::CleanupOptions;
+use crate::filter::FilterHost;
+use crate::hub::Hub;
+use crate::server::AppState;
+use crate::source::ChangeSource;
+use crate::status::Status;
+use crate::storage::{ChangeLog, LogReader};
+use crate::streamer::{Streamer, StreamerOptions};
+
+/// Everything a service is made of.
+pub struct ServiceConfig {
+    pub source: Box<dyn ChangeSource>,
+    pub log: Box<dyn ChangeLog>,
+    pub reader: Arc<dyn LogReader>,
+    /// Where the endpoint listens (`127.0.0.1:0` picks a free port).
+    pub listen: String,
+    /// The address recorded as the log's owner address; `None`: the bound one.
+    pub advertise: Option<String>,
+    pub streamer: StreamerOptions,
+    /// `None` runs no purge and no laggard check (tests that inspect the log).
+    pub cleanup: Option<CleanupOptions>,
+    pub subscriber_limits: crate::subscriber::Limits,
+    pub ping_interval: Duration,
+    pub filters: Arc<FilterHost>,
+    /// One line of progress every 10 s while transactions are stored.
+    pub log_progress: bool,
+}
+
+impl ServiceConfig {
+    /// A service on a free loopback port, with the defaults of `sluice run`
+    /// and no filters.
+    pub fn new(source: Box<dyn ChangeSource>, log: Box<dyn ChangeLog>, reader: Arc<dyn LogReader>) -> Self {
+        ServiceConfig {
+            source,
+            log,
+            reader,
+            listen: "127.0.0.1:0".into(),
+            advertise: None,
+            streamer: StreamerOptions::default(),
+            cleanup: Some(CleanupOptions::default()),
+            subscriber_limits: crate::subscriber::Limits::default(),
+            ping_interval: Duration::from_secs(30),
+            filters: FilterHost::none(),
+            log_progress: false,
+        }
+    }
+}
+
+/// A running service.
+pub struct Service {
+    addr: SocketAddr,
+    status: Arc<Status>,
+    hub: Arc<Hub>,
+    stop: watch::Sender<bool>,
+    /// The replication loop, until it has ended.
+    streamer: Option<JoinHandle<anyhow::Result<()>>>,
+    server: JoinHandle<std::io::Result<()>>,
+}
+
+impl Service {
+    pub async fn start(config: ServiceConfig) -> anyhow::Result<Service> {
+        let status = Arc::new(Status::default());
+        let hub = Hub::new(config.reader, status.clone());
+        let (stop, stop_rx) = watch::channel(false);
+        let app = AppState {
+            hub: hub.clone(),
+            status: status.clone(),
+            subscriber_limits: config.subscriber_limits,
+            ping_interval: config.ping_interval,
+            filters: config.filters,
+        };
+        let (addr, serve) = crate::server::bind(&config.listen, crate::server::router(app), stop_rx.clone()).await?;
+        if let Some(cleanup) = config.cleanup {
+            tokio::spawn(crate::cleanup::run(hub.clone(), status.clone(), cleanup, stop_rx.clone()));
+        }
+        if config.log_progress {
+            tokio::spawn(log_progress(status.clone(), stop_rx.clone()));
+        }
+        let options =
+            StreamerOptions { advertise: config.advertise.unwrap_or_else(|| addr.to_string()), ..config.streamer };
+        let mut streamer = Streamer::new(config.source, config.log, hub.clone(), options, status.clone());
+        streamer.seed_hub();
+        let server = tokio::spawn(serve);
+        let streamer = tokio::spawn(streamer.run(stop_rx));
+        Ok(Service { addr, status, hub, stop, streamer: Some(streamer), server })
+    }
+
+    /// Where subscribers and `/status` reach the service.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn status(&self) -> &Arc<Status> {
+        &self.status
+    }
+
+    pub fn hub(&self) -> &Arc<Hub> {
+        &self.hub
+    }
+
+    /// The replication loop has ended by itself.
+    pub fn is_finished(&self) -> bool {
+        self.streamer.as_ref().is_none_or(|s| s.is_finished())
+    }
+
+    /// Resolves when the replication loop ends by itself: `Err` with the
+    /// reason after a fatal error, `Ok` after a clean stop (another host
+    /// took the log over). The endpoint stops with it.
+    pub async fn finished(&mut self) -> anyhow::Result<()> {
+        let Some(streamer) = self.streamer.as_mut() else { return Ok(()) };
+        let result = streamer.await;
+        self.streamer = None;
+        self.server.abort();
+        result.context("the replication loop panicked")?
+    }
+
+    /// Stops the loop (the storer drains what is queued) and the endpoint.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        let _ = self.stop.send(true);
+        let result = match self.streamer.take() {
+            Some(streamer) => streamer.await.context("the replication loop panicked")?,
+            None => Ok(()),
+        };
+        self.server.abort();
+        result
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        self.server.abort();
+    }
+}
+
+/// Every 10 s while transactions are being stored, one line of progress.
+async fn log_progress(status: Arc<Status>, mut stop: watch::Receiver<bool>) {
+    let mut last = 0u64;
+    let mut tick = tokio::time::interval(Duration::from_secs(10));
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let s = status.snapshot();
+        if s.transactions > last {
+            tracing::info!(
+                "stored {} transactions ({:.0}/s), {} changes; last watermark {}; {} subscribers",
+                s.transactions,
+                (s.transactions - last) as f64 / 10.0,
+                s.changes,
+                s.last_watermark.as_deref().unwrap_or("-"),
+                s.subscribers
+            );
+            last = s.transactions;
+        }
+    }
+}
