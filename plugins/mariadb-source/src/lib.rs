@@ -186,30 +186,13 @@ impl std::fmt::Display for GtidPos {
     }
 }
 
-/// Zero's LexiVersion: a base-36 length digit, then base-36 digits.
+/// Zero's LexiVersion of a counter (see `sluice-watermark`).
 pub fn to_lexi(n: u64) -> String {
-    const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
-    let mut d = Vec::new();
-    let mut v = n;
-    loop {
-        d.push(DIGITS[(v % 36) as usize]);
-        v /= 36;
-        if v == 0 {
-            break;
-        }
-    }
-    d.push(DIGITS[d.len() - 1]);
-    d.reverse();
-    String::from_utf8(d).unwrap_or_default()
+    sluice_watermark::to_lexi(n.into())
 }
 
 pub fn from_lexi(s: &str) -> Option<u64> {
-    let (head, rest) = s.split_at_checked(1)?;
-    let len = u32::from_str_radix(head, 36).ok()? as usize + 1;
-    if rest.len() != len {
-        return None;
-    }
-    u64::from_str_radix(rest, 36).ok()
+    sluice_watermark::from_lexi(s).and_then(|n| u64::try_from(n).ok())
 }
 
 /// A watermark: the counter, then the GTID position after the transaction.
@@ -270,7 +253,7 @@ impl Guest for Component {
     fn open(config: String, resume: Option<ResumePoint>) -> Result<ChangeStream, PluginError> {
         let config = Config::parse(&config)?;
         // The log holds nothing beyond the replica version: start over.
-        let resume = resume.filter(|r| r.watermark != r.replica_version);
+        let resume = resume.filter(|r| sluice_watermark::resumes(&r.watermark, &r.replica_version));
         let phase = match resume {
             None => Phase::Snapshot(snapshot::Snapshot::start(&config)?),
             Some(r) => {

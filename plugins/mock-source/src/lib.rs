@@ -59,31 +59,13 @@ impl Default for Config {
     }
 }
 
-/// Zero's LexiVersion: a base-36 length digit followed by the base-36 value.
+/// Zero's LexiVersion of a transaction number (see `sluice-watermark`).
 fn lexi(n: u64) -> String {
-    const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
-    let mut digits = Vec::new();
-    let mut v = n;
-    loop {
-        digits.push(DIGITS[(v % 36) as usize]);
-        v /= 36;
-        if v == 0 {
-            break;
-        }
-    }
-    digits.push(DIGITS[digits.len() - 1]);
-    digits.reverse();
-    String::from_utf8(digits).expect("ascii")
+    sluice_watermark::to_lexi(n.into())
 }
 
 fn unlexi(s: &str) -> Option<u64> {
-    let bytes = s.as_bytes();
-    let (len, rest) = bytes.split_first()?;
-    let len = (*len as char).to_digit(36)? as usize + 1;
-    if rest.len() != len {
-        return None;
-    }
-    u64::from_str_radix(std::str::from_utf8(rest).ok()?, 36).ok()
+    sluice_watermark::from_lexi(s).and_then(|n| u64::try_from(n).ok())
 }
 
 /// splitmix64: a tiny, well-distributed generator for deterministic payloads.

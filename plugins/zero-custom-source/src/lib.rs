@@ -154,7 +154,7 @@ impl Guest for Component {
         let config = Config::parse(&config)?;
         // The log holds nothing beyond the replica version: the snapshot was
         // never stored, so start over.
-        let resume = resume.filter(|r| r.watermark != r.replica_version);
+        let resume = resume.filter(|r| sluice_watermark::resumes(&r.watermark, &r.replica_version));
         let upstream_resume = resume.as_ref().map(|r| {
             let snapshot = format!("{}{SNAPSHOT_SUFFIX}", r.replica_version);
             let last = if r.watermark == snapshot { r.replica_version.as_str() } else { r.watermark.as_str() };
