@@ -6,7 +6,7 @@
 //! consumed when its ack arrives, in order. Pings every 30 s; a peer that
 //! answers neither pong nor message between two pings is dropped.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,6 +15,7 @@ use axum::extract::{Path, Query, State};
 use axum::response::Response;
 use futures::{SinkExt, StreamExt};
 
+use super::outbox::Outbox;
 use super::AppState;
 use crate::filter::{FilterGroup, Outcome};
 use crate::subscriber::{Connection, ErrorType, Frame, Mode, Subscriber};
@@ -172,14 +173,6 @@ async fn serve(socket: WebSocket, ctx: SubscriberContext, app: AppState) {
 }
 
 /// One message in flight: its id, size, and commit watermark if a commit.
-struct InFlight {
-    id: u64,
-    bytes: usize,
-    commit: Option<Arc<str>>,
-    /// Close the connection once this one is consumed (an error message).
-    last: bool,
-}
-
 async fn pump(
     socket: WebSocket,
     sub: &Arc<Subscriber>,
@@ -188,8 +181,7 @@ async fn pump(
     filter: Option<Arc<FilterGroup>>,
 ) -> String {
     let (mut tx, mut rx) = socket.split();
-    let mut in_flight: VecDeque<InFlight> = VecDeque::new();
-    let mut next_id = 0u64;
+    let mut outbox = Outbox::default();
     let mut alive = true;
     let mut filter_failed = false;
     let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + ping_every, ping_every);
@@ -247,15 +239,7 @@ async fn pump(
                             break;
                         }
                     };
-                    next_id += 1;
-                    let mut text = String::with_capacity(json.len() + 24);
-                    text.push_str("{\"id\":");
-                    text.push_str(itoa::Buffer::new().format(next_id));
-                    text.push_str(",\"msg\":");
-                    text.push_str(&json);
-                    text.push('}');
-                    out.push(Message::Text(Utf8Bytes::from(text)));
-                    in_flight.push_back(InFlight { id: next_id, bytes, commit, last });
+                    out.push(Message::Text(Utf8Bytes::from(outbox.frame(&json, bytes, commit, last))));
                 }
                 // One guarded write for the whole batch (the guard costs a
                 // watch subscription; per frame it showed in profiles).
@@ -284,13 +268,13 @@ async fn pump(
                                 return e;
                             }
                         };
-                        if in_flight.front().map(|f| f.id) != Some(ack) {
-                            let expected = in_flight.front().map_or(next_id + 1, |f| f.id);
-                            let e = format!("Unexpected ack for {expected}: {ack}");
-                            close_with_error_split(&mut tx, &e).await;
-                            return e;
-                        }
-                        let Some(front) = in_flight.pop_front() else { continue };
+                        let front = match outbox.ack(ack) {
+                            Ok(front) => front,
+                            Err(e) => {
+                                close_with_error_split(&mut tx, &e).await;
+                                return e;
+                            }
+                        };
                         if front.last {
                             // The error message (never counted as pending).
                             let _ = tx.send(normal_close()).await;

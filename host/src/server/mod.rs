@@ -2,6 +2,7 @@
 //! WebSocket protocol in `changes`.
 
 pub mod changes;
+pub mod outbox;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -1,0 +1,100 @@
+//! One subscriber connection's outbox: Zero's envelope and ack rules.
+//!
+//! Every message goes out as `{"id":n,"msg":M}` with n counting from 1, and
+//! stays in flight until the peer acks it with `{"ack":n}`. Acks must come in
+//! order: anything else is the protocol's "Unexpected ack for X: Y".
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// A message sent and not yet acked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InFlight {
+    pub id: u64,
+    /// What the subscriber counts as pending until the ack.
+    pub bytes: usize,
+    /// Set for a commit: its ack advances the subscriber's position.
+    pub commit: Option<Arc<str>>,
+    /// Close the connection once this one is acked (an error message).
+    pub last: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct Outbox {
+    next_id: u64,
+    in_flight: VecDeque<InFlight>,
+}
+
+impl Outbox {
+    /// Wraps `msg` (JSON) in the envelope with the next id and keeps it in
+    /// flight; returns the text to send.
+    pub fn frame(&mut self, msg: &str, bytes: usize, commit: Option<Arc<str>>, last: bool) -> String {
+        self.next_id += 1;
+        let id = self.next_id;
+        let mut text = String::with_capacity(msg.len() + 24);
+        text.push_str("{\"id\":");
+        text.push_str(itoa::Buffer::new().format(id));
+        text.push_str(",\"msg\":");
+        text.push_str(msg);
+        text.push('}');
+        self.in_flight.push_back(InFlight { id, bytes, commit, last });
+        text
+    }
+
+    /// The peer acked message `id`: the oldest one in flight, or an error
+    /// with Zero's text when it is not the one expected.
+    pub fn ack(&mut self, id: u64) -> Result<InFlight, String> {
+        match self.in_flight.front() {
+            Some(front) if front.id == id => Ok(self.in_flight.pop_front().expect("checked: a message is in flight")),
+            front => {
+                let expected = front.map_or(self.next_id + 1, |f| f.id);
+                Err(format!("Unexpected ack for {expected}: {id}"))
+            }
+        }
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_count_from_one_in_zeros_envelope() {
+        let mut out = Outbox::default();
+        assert_eq!(
+            out.frame(r#"["status",{"tag":"status"}]"#, 0, None, false),
+            r#"{"id":1,"msg":["status",{"tag":"status"}]}"#
+        );
+        assert_eq!(out.frame("[1]", 3, None, false), r#"{"id":2,"msg":[1]}"#);
+        assert_eq!(out.in_flight(), 2);
+    }
+
+    #[test]
+    fn acks_in_order_release_each_message_once() {
+        let mut out = Outbox::default();
+        out.frame("[1]", 3, None, false);
+        out.frame("[2]", 3, Some("05".into()), false);
+        out.frame("[3]", 0, None, true);
+        assert_eq!(out.ack(1), Ok(InFlight { id: 1, bytes: 3, commit: None, last: false }));
+        let commit = out.ack(2).unwrap();
+        assert_eq!(commit.commit.as_deref(), Some("05"));
+        assert!(out.ack(3).unwrap().last, "the error message ends the connection once acked");
+        assert_eq!(out.in_flight(), 0);
+    }
+
+    #[test]
+    fn an_ack_out_of_order_is_named_as_zero_names_it() {
+        let mut out = Outbox::default();
+        out.frame("[1]", 3, None, false);
+        out.frame("[2]", 3, None, false);
+        assert_eq!(out.ack(2), Err("Unexpected ack for 1: 2".to_string()));
+        assert_eq!(out.ack(1).map(|f| f.id), Ok(1), "a refused ack changes nothing");
+        assert_eq!(out.ack(1), Err("Unexpected ack for 2: 1".to_string()), "no ack twice");
+        out.ack(2).unwrap();
+        assert_eq!(out.ack(7), Err("Unexpected ack for 3: 7".to_string()), "none in flight: the next id is expected");
+    }
+}
