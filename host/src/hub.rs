@@ -336,31 +336,29 @@ mod tests {
         assert!(sub.is_closed());
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_unclaimed_log_holds_subscribers_until_this_host_owns_it() {
+    /// `hold` puts the hub in a state that holds new subscribers; a
+    /// subscriber that comes then gets nothing until `release`, and then
+    /// catches up from the log.
+    async fn held_until_released(hold: impl Fn(&Hub), release: impl Fn(&Hub)) {
         let (hub, status) = hub();
         hub.set_replica_version(Some("00"));
-        hub.hold_until_claimed();
+        hold(&hub);
         let (sub, mut conn) = subscriber("00");
         hub.subscribe(sub, "00");
         assert_eq!(status.snapshot().held_subscribers, 1);
         assert!(conn.frames.try_recv().is_err(), "nothing is served while held");
-        hub.claimed();
+        release(&hub);
         caught_up(&mut conn).await;
         assert_eq!((status.snapshot().held_subscribers, status.snapshot().subscribers), (0, 1));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unclaimed_log_holds_subscribers_until_this_host_owns_it() {
+        held_until_released(Hub::hold_until_claimed, Hub::claimed).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stopping_storer_holds_subscribers_until_the_log_is_final() {
-        let (hub, status) = hub();
-        hub.set_replica_version(Some("00"));
-        hub.storer_stopping();
-        let (sub, mut conn) = subscriber("00");
-        hub.subscribe(sub, "00");
-        assert_eq!(status.snapshot().held_subscribers, 1);
-        assert!(conn.frames.try_recv().is_err(), "nothing is served while held");
-        hub.storer_stopped();
-        caught_up(&mut conn).await;
-        assert_eq!(status.snapshot().held_subscribers, 0);
+        held_until_released(Hub::storer_stopping, Hub::storer_stopped).await;
     }
 }
