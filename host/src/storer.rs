@@ -146,10 +146,7 @@ impl Storer {
         let worker_exited = exited.clone();
         let thread = tokio::task::spawn_blocking(move || {
             let mut worker = Worker::new(log, reader, options, durable, status, worker_budget);
-            if let Some(e) = establish {
-                worker.lineage = e.lineage;
-                worker.on_established = Some(e.on_durable);
-            }
+            worker.establish = establish;
             let result = worker.run(&mut rx);
             // Catch-ups this storer will never serve: their subscribers are
             // already forwarded to, so they must reconnect rather than wait.
@@ -274,11 +271,10 @@ struct Worker {
     durable: mpsc::UnboundedSender<Arc<str>>,
     status: Arc<Status>,
     budget: Arc<Budget>,
-    /// A lineage to start in the next storage transaction; cleared once a
-    /// storage transaction holding it commits (a rolled-back one takes it
-    /// along, so the next one starts it again).
-    lineage: Option<NewLineage>,
-    on_established: Option<OnEstablished>,
+    /// A lineage not established yet: started in each storage transaction
+    /// until one of them commits (a rolled-back one takes it along, so the
+    /// next one starts it again).
+    establish: Option<Establish>,
     /// A storage transaction is open.
     storage_open: bool,
     /// Upstream transactions committed inside the open storage transaction.
@@ -309,8 +305,7 @@ impl Worker {
             durable,
             status,
             budget,
-            lineage: None,
-            on_established: None,
+            establish: None,
             storage_open: false,
             group_transactions: 0,
             group_changes: 0,
@@ -355,7 +350,7 @@ impl Worker {
                     if self.storage_open && self.current.is_none() {
                         self.commit_group()?;
                     }
-                    if self.lineage.is_some() {
+                    if self.establish.as_ref().is_some_and(|e| e.lineage.is_some()) {
                         // The log still holds the lineage being replaced, which
                         // this request is not about; the upstream repeats it
                         // when the new one is reopened.
@@ -384,7 +379,7 @@ impl Worker {
                 if !self.storage_open {
                     self.log.begin()?;
                     self.storage_open = true;
-                    if let Some(lineage) = &self.lineage {
+                    if let Some(lineage) = self.establish.as_ref().and_then(|e| e.lineage.as_ref()) {
                         self.log.start_lineage(lineage)?;
                     }
                 }
@@ -543,9 +538,8 @@ impl Worker {
         self.log.commit(&last).with_context(|| format!("committing the change log through {last}"))?;
         self.status.count(Stage::Commit, t);
         self.storage_open = false;
-        self.lineage = None;
-        if let Some(established) = self.on_established.take() {
-            established(&last);
+        if let Some(established) = self.establish.take() {
+            (established.on_durable)(&last);
         }
         let (txs, changes) = (self.group_transactions as u64, self.group_changes);
         self.reset_group();

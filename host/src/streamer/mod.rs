@@ -274,10 +274,10 @@ impl Streamer {
                         s.replica_version
                     );
                 }
-                // Subscribers of the old lineage can never continue.
-                self.set_snapshotting();
                 if resume.is_some() {
                     // The stream was positioned in the old lineage; start over.
+                    // Its subscribers can never continue.
+                    self.set_snapshotting();
                     self.open_fresh = true;
                     return Err(PassEnd::Restart);
                 }
@@ -314,14 +314,12 @@ impl Streamer {
             });
         } else {
             self.set_snapshotting();
-        }
-        self.status.update(|s| s.source = SourceState::Running);
-        self.status.source_message();
-        if !established {
             // A durable position of a lineage being replaced must not hold
             // back the new one's acks.
             self.acker = UpstreamAcker::default();
         }
+        self.status.update(|s| s.source = SourceState::Running);
+        self.status.source_message();
         let establish = (!established).then(|| {
             let (hub, status, rv) = (self.hub.clone(), self.status.clone(), rv.clone());
             Establish {
