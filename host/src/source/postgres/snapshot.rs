@@ -142,7 +142,14 @@ impl SnapshotStream {
         };
         let start = resume_lsn(&self.watermark)
             .ok_or_else(|| SourceError::Fatal(format!("bad snapshot watermark {}", self.watermark)))?;
-        let stream = ReplicationStream::start_on(connection, upstream, self.replica_version.clone(), start).await?;
+        let stream = ReplicationStream::start_on(
+            connection,
+            upstream,
+            self.replica_version.clone(),
+            start,
+            Some(self.schema.clone()),
+        )
+        .await?;
         self.phase = Phase::Streaming(stream);
         tracing::info!(watermark = %self.watermark, "initial snapshot copied");
         Ok(vec![Message::Commit(Commit { watermark: self.watermark.clone(), extra: None })])

@@ -81,15 +81,19 @@ impl ReplicationStream {
         let connection = ReplConnection::connect(&session_config(pg), APPLICATION_NAME)
             .await
             .map_err(|e| SourceError::Transient(format!("opening the replication connection: {e}")))?;
-        Self::start_on(connection, upstream, replica_version, start).await
+        Self::start_on(connection, upstream, replica_version, start, None).await
     }
 
-    /// Streams from `start` on an open replication connection.
+    /// Streams from `start` on an open replication connection. `snapshot_schema`
+    /// is the published schema as of `start` when the caller knows it (an
+    /// initial snapshot read it in its snapshot transaction); degraded mode
+    /// compares relation messages against it.
     pub async fn start_on(
         mut connection: ReplConnection,
         upstream: Upstream,
         replica_version: String,
         start: u64,
+        snapshot_schema: Option<Schema>,
     ) -> Result<Box<dyn ChangeStream>, SourceError> {
         let publications = upstream.publications.iter().map(|p| format!("\"{p}\"")).collect::<Vec<_>>().join(",");
         let sql = format!(
@@ -110,12 +114,18 @@ impl ReplicationStream {
         // nothing received means the connection is dead, even if TCP has not
         // noticed.
         let silence_limit = wal_sender_timeout(&upstream.client).await.map(|t| t * 2);
-        let baseline = if upstream.ddl_detection {
-            None
-        } else {
-            let schema = upstream.current_schema().await?;
-            Some(schema.tables.into_iter().map(|t| (t.oid, t)).collect())
-        };
+        // Degraded mode needs the schema as of `start`. The catalog now may be
+        // later than that (a DDL committed after the snapshot but before this
+        // point would match its own relation message and go unnoticed), so
+        // the snapshot's schema is used when there is one. On a resume the
+        // catalog is the best there is: DDL committed while Sluice was down
+        // and before the first change to its table cannot be told apart.
+        let baseline = match (upstream.ddl_detection, snapshot_schema) {
+            (true, _) => None,
+            (false, Some(schema)) => Some(schema),
+            (false, None) => Some(upstream.current_schema().await?),
+        }
+        .map(|schema| schema.tables.into_iter().map(|t| (t.oid, t)).collect());
         tracing::info!(slot = %upstream.slot, from = %lsn_text(start), "streaming from the upstream");
         let (tx, rx) = mpsc::channel(CHANNEL_BATCHES);
         let (acks, acked) = watch::channel(start.saturating_sub(1));
