@@ -14,11 +14,10 @@ use common::ws::Client;
 use common::*;
 use custom_upstream::{column, event, insert, param, query_params, relation, snapshot, Fault, Tx, Upstream, SNAPSHOT};
 use serde_json::{json, Value};
-use sluice::hub::Hub;
 use sluice::plugin::{NetGrant, Registry, SandboxLimits};
+use sluice::service::{Service, ServiceConfig};
+use sluice::source::ChangeSource;
 use sluice::status::{SourceState, Status};
-use sluice::streamer::{Streamer, StreamerOptions};
-use tokio::sync::watch;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -32,12 +31,10 @@ struct Sluice {
     dir: tempfile::TempDir,
     addr: String,
     status: Arc<Status>,
-    hub: Arc<Hub>,
     registry: Arc<Registry>,
     config: String,
     grant: NetGrant,
-    streamer: Option<(watch::Sender<bool>, tokio::task::JoinHandle<anyhow::Result<()>>)>,
-    _server_stop: watch::Sender<bool>,
+    service: Service,
 }
 
 impl Sluice {
@@ -49,34 +46,22 @@ impl Sluice {
 
     async fn start_with_grant(config: String, grant: NetGrant) -> Sluice {
         let dir = tempfile::tempdir().unwrap();
-        let spec = LogSpec::new(Backend::Sqlite, dir.path());
-        let (_, reader) = spec.open();
-        let Served { addr, status, hub, stop: server_stop } = serve(reader).await;
         let registry = Arc::new(Registry::load(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap());
-        let mut s =
-            Sluice { dir, addr, status, hub, registry, config, grant, streamer: None, _server_stop: server_stop };
-        s.run().await;
-        s
+        let source = source(&registry, &config, &grant).await;
+        let (log, reader) = LogSpec::new(Backend::Sqlite, dir.path()).open();
+        let service =
+            Service::start(ServiceConfig { cleanup: None, ..ServiceConfig::new(source, log, reader) }).await.unwrap();
+        let (addr, status) = (service.addr().to_string(), service.status().clone());
+        Sluice { dir, addr, status, registry, config, grant, service }
     }
 
-    async fn run(&mut self) {
-        let (log, _) = LogSpec::new(Backend::Sqlite, self.dir.path()).open();
-        let source = self
-            .registry
-            .source("zero-custom-source", self.config.clone(), SandboxLimits::default(), self.grant.clone())
-            .await
-            .unwrap();
-        let streamer =
-            Streamer::new(Box::new(source), log, self.hub.clone(), StreamerOptions::default(), self.status.clone());
-        let (stop, stop_rx) = watch::channel(false);
-        self.streamer = Some((stop, tokio::spawn(streamer.run(stop_rx))));
-    }
-
+    /// Stops the replication loop and starts it again on a new instance of
+    /// the plugin; the endpoint and its subscribers stay.
     async fn restart(&mut self) {
-        let (stop, task) = self.streamer.take().expect("running");
-        let _ = stop.send(true);
-        task.await.unwrap().unwrap();
-        self.run().await;
+        self.service.stop_replication().await.unwrap();
+        let (log, _) = LogSpec::new(Backend::Sqlite, self.dir.path()).open();
+        let source = source(&self.registry, &self.config, &self.grant).await;
+        self.service.start_replication(source, log).unwrap();
     }
 
     async fn stored(&self, w: &str) {
@@ -98,6 +83,11 @@ impl Sluice {
             _ => unreachable!(),
         }
     }
+}
+
+async fn source(registry: &Registry, config: &str, grant: &NetGrant) -> Box<dyn ChangeSource> {
+    let source = registry.source("zero-custom-source", config.to_string(), SandboxLimits::default(), grant.clone());
+    Box::new(source.await.unwrap())
 }
 
 fn config(up: &Upstream) -> Value {

@@ -15,7 +15,7 @@ use common::ws::*;
 use common::*;
 use serde_json::{json, Value as Json};
 use sluice::filter::{FilterHost, FilterSpec};
-use sluice::plugin::{Registry, SandboxLimits};
+use sluice::plugin::{FilterPlugins, Registry, SandboxLimits};
 use sluice::service::{Service, ServiceConfig};
 use sluice::source::model::{
     ColumnSpec, CreateTable, Insert, KeyType, Message, Relation, SchemaChange, TableName, TableSpec, Truncate, Update,
@@ -39,7 +39,7 @@ async fn server() -> Server {
     let spec = LogSpec::new(Backend::Sqlite, dir.path());
     let (log, reader) = spec.open();
     let registry = Registry::load(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap();
-    let filters = FilterHost::new(Some(Arc::new(registry)), limits);
+    let filters = FilterPlugins::host(Some(Arc::new(registry)), limits);
     let feed = Feed::with_snapshot();
     let config = ServiceConfig {
         filters: filters.clone(),

@@ -18,11 +18,10 @@ use common::mariadb::{self, Maria};
 use common::replica::Replica;
 use common::*;
 use serde_json::{json, Value};
-use sluice::hub::Hub;
 use sluice::plugin::{Registry, SandboxLimits};
+use sluice::service::{Service, ServiceConfig};
+use sluice::source::ChangeSource;
 use sluice::status::Status;
-use sluice::streamer::{Streamer, StreamerOptions};
-use tokio::sync::watch;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -32,45 +31,38 @@ struct Sluice {
     dir: tempfile::TempDir,
     addr: String,
     status: Arc<Status>,
-    hub: Arc<Hub>,
     registry: Arc<Registry>,
     config: String,
-    streamer: Option<(watch::Sender<bool>, tokio::task::JoinHandle<anyhow::Result<()>>)>,
-    _server_stop: watch::Sender<bool>,
+    service: Service,
 }
 
 impl Sluice {
     async fn start(config: Value) -> Sluice {
         let dir = tempfile::tempdir().unwrap();
-        let (_, reader) = LogSpec::new(Backend::Sqlite, dir.path()).open();
-        let Served { addr, status, hub, stop } = serve(reader).await;
         let registry = Arc::new(Registry::load(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap());
         let config = config.to_string();
-        let mut s = Sluice { dir, addr, status, hub, registry, config, streamer: None, _server_stop: stop };
-        s.run().await;
-        s
+        let (log, reader) = LogSpec::new(Backend::Sqlite, dir.path()).open();
+        let source = source(&registry, &config).await;
+        let service =
+            Service::start(ServiceConfig { cleanup: None, ..ServiceConfig::new(source, log, reader) }).await.unwrap();
+        let (addr, status) = (service.addr().to_string(), service.status().clone());
+        Sluice { dir, addr, status, registry, config, service }
     }
 
     fn spec(&self) -> LogSpec {
         LogSpec::new(Backend::Sqlite, self.dir.path())
     }
 
+    /// Starts the replication loop again (after [`Sluice::stop`]) on a new
+    /// instance of the plugin; the endpoint and its subscribers stay.
     async fn run(&mut self) {
         let (log, _) = self.spec().open();
-        let endpoints = sluice::plugin::net::config_endpoints(&self.config).unwrap();
-        let grant = sluice::plugin::net::resolve(&endpoints).unwrap();
-        let source =
-            self.registry.source("mariadb-source", self.config.clone(), SandboxLimits::default(), grant).await.unwrap();
-        let streamer =
-            Streamer::new(Box::new(source), log, self.hub.clone(), StreamerOptions::default(), self.status.clone());
-        let (stop, stop_rx) = watch::channel(false);
-        self.streamer = Some((stop, tokio::spawn(streamer.run(stop_rx))));
+        let source = source(&self.registry, &self.config).await;
+        self.service.start_replication(source, log).unwrap();
     }
 
     async fn stop(&mut self) {
-        let (stop, task) = self.streamer.take().expect("running");
-        let _ = stop.send(true);
-        task.await.unwrap().unwrap();
+        self.service.stop_replication().await.unwrap();
     }
 
     async fn restart(&mut self) {
@@ -97,6 +89,13 @@ impl Sluice {
         .await;
         self.status.snapshot().reset_reason.unwrap_or_default()
     }
+}
+
+/// An instance of the mariadb-source plugin, allowed to reach the server
+/// its configuration names.
+async fn source(registry: &Registry, config: &str) -> Box<dyn ChangeSource> {
+    let grant = sluice::plugin::net::resolve(&sluice::plugin::net::config_endpoints(config).unwrap()).unwrap();
+    Box::new(registry.source("mariadb-source", config.to_string(), SandboxLimits::default(), grant).await.unwrap())
 }
 
 /// Waits until the replica holds exactly the rows of each `db.table` (the

@@ -19,11 +19,10 @@ use common::pgserver::PgServer;
 use common::replica::{key_of, Replica};
 use common::*;
 use serde_json::{json, Value};
-use sluice::hub::Hub;
+use sluice::service::{Service, ServiceConfig};
 use sluice::source::postgres::PostgresSource;
 use sluice::status::Status;
-use sluice::streamer::{Streamer, StreamerOptions};
-use tokio::sync::watch;
+use sluice::streamer::StreamerOptions;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -104,11 +103,8 @@ struct Sluice {
     dir: tempfile::TempDir,
     addr: String,
     status: Arc<Status>,
-    hub: Arc<Hub>,
     config: String,
-    auto_reset: bool,
-    streamer: Option<(watch::Sender<bool>, tokio::task::JoinHandle<anyhow::Result<()>>)>,
-    _server_stop: watch::Sender<bool>,
+    service: Service,
 }
 
 impl Sluice {
@@ -118,31 +114,31 @@ impl Sluice {
 
     async fn start_with(config: String, auto_reset: bool) -> Sluice {
         let dir = tempfile::tempdir().unwrap();
-        let spec = LogSpec::new(Backend::Sqlite, dir.path());
-        let (_, reader) = spec.open();
-        let Served { addr, status, hub, stop: server_stop } = serve(reader).await;
-        let mut s = Sluice { dir, addr, status, hub, config, auto_reset, streamer: None, _server_stop: server_stop };
-        s.run();
-        s
+        let (log, reader) = LogSpec::new(Backend::Sqlite, dir.path()).open();
+        let source = Box::new(PostgresSource::new(&config).unwrap());
+        let streamer = StreamerOptions { auto_reset, ..StreamerOptions::default() };
+        let service =
+            Service::start(ServiceConfig { cleanup: None, streamer, ..ServiceConfig::new(source, log, reader) })
+                .await
+                .unwrap();
+        let (addr, status) = (service.addr().to_string(), service.status().clone());
+        Sluice { dir, addr, status, config, service }
     }
 
     fn spec(&self) -> LogSpec {
         LogSpec::new(Backend::Sqlite, self.dir.path())
     }
 
+    /// Starts the replication loop again (after [`Sluice::stop`]) on a new
+    /// source; the endpoint and its subscribers stay.
     fn run(&mut self) {
         let (log, _) = self.spec().open();
         let source = PostgresSource::new(&self.config).unwrap();
-        let options = StreamerOptions { auto_reset: self.auto_reset, ..StreamerOptions::default() };
-        let streamer = Streamer::new(Box::new(source), log, self.hub.clone(), options, self.status.clone());
-        let (stop, stop_rx) = watch::channel(false);
-        self.streamer = Some((stop, tokio::spawn(streamer.run(stop_rx))));
+        self.service.start_replication(Box::new(source), log).unwrap();
     }
 
     async fn stop(&mut self) -> anyhow::Result<()> {
-        let (stop, task) = self.streamer.take().expect("running");
-        let _ = stop.send(true);
-        task.await.unwrap()
+        self.service.stop_replication().await
     }
 
     async fn restart(&mut self) {
@@ -491,7 +487,7 @@ async fn a_lost_slot_requires_a_reset_and_auto_reset_rebuilds() {
 
     // With auto-reset the next run takes a new slot and snapshot.
     up.exec("INSERT INTO t VALUES (2)").await;
-    sluice.auto_reset = true;
+    sluice.service.streamer_options().auto_reset = true;
     sluice.run();
     let st = sluice.status.clone();
     let old = first_rv.clone();

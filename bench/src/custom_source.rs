@@ -6,13 +6,9 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use sluice::plugin::{Registry, SandboxLimits};
-use sluice::status::Status;
 use sluice::storage::sqlite::{Durability, SqliteChangeLog};
-use sluice::streamer::{Streamer, StreamerOptions};
-use tokio::sync::watch;
 
 use custom_upstream::{Tx, Upstream};
 
@@ -68,23 +64,11 @@ async fn one(registry: &Registry, tmp: &Path, txs: u64, rows: u32, row_bytes: us
         .await
         .map_err(anyhow::Error::msg)?;
     let db = tmp.join(format!("custom-{rows}-{row_bytes}.db"));
-    let log = SqliteChangeLog::open(&db, Durability::Full)?;
-    let status = Arc::new(Status::default());
-    let (stop, stop_rx) = watch::channel(false);
-    let hub = sluice::hub::Hub::new(Arc::new(sluice::storage::sqlite::SqliteReader::new(&db)), status.clone());
-    let streamer = Streamer::new(Box::new(source), Box::new(log), hub, StreamerOptions::default(), status.clone());
-    let started = Instant::now();
-    let task = tokio::spawn(streamer.run(stop_rx));
-    let last = watermark(txs);
-    while status.snapshot().last_watermark.as_deref() != Some(last.as_str()) {
-        if task.is_finished() {
-            anyhow::bail!("the streamer stopped before storing {last}");
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    let secs = started.elapsed().as_secs_f64();
-    let _ = stop.send(true);
-    task.await??;
+    let log = Box::new(SqliteChangeLog::open(&db, Durability::Full)?);
+    let reader = Arc::new(sluice::storage::sqlite::SqliteReader::new(&db));
+    let (service, secs) = super::store_until(Box::new(source), log, reader, &watermark(txs)).await?;
+    let status = service.status().clone();
+    service.stop().await?;
     up.shutdown();
     println!(
         "zero-custom-source {rows:>3} rows/tx of {row_bytes:>4} B: {:>8.0} tx/s, {:>9.0} changes/s ({txs} tx in {secs:.2} s)",

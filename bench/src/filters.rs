@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use filter_kit::Filter;
 use sluice::change::{Encoder, Event};
-use sluice::filter::{route, FilterHost, FilterInstance, FilterSpec, Route};
-use sluice::plugin::{Registry, SandboxLimits};
+use sluice::filter::{route, ChangeFilter, FilterSpec, Route};
+use sluice::plugin::{FilterPlugins, Registry, SandboxLimits, WasmFilter};
 use sluice::source::model::{Insert, KeyType, Message, Relation, Value};
 
 use super::plugin_dir;
@@ -133,7 +133,7 @@ pub async fn per_change(tmp: &std::path::Path) -> anyhow::Result<()> {
             // shares the groups of equal chains). One subscriber holds each,
             // so the outcome cache is off and every round evaluates every
             // change.
-            let host = FilterHost::new(Some(registry.clone()), SandboxLimits::default());
+            let host = FilterPlugins::host(Some(registry.clone()), SandboxLimits::default());
             let specs = vec![FilterSpec { plugin: name.to_string(), config: config.clone() }];
             groups.push(host.group(&specs).await.map_err(anyhow::Error::msg)?);
         }
@@ -166,7 +166,7 @@ pub async fn per_change(tmp: &std::path::Path) -> anyhow::Result<()> {
             continue;
         }
         let (engine, pre) = registry.filter(name).await.map_err(anyhow::Error::msg)?;
-        let mut instance = FilterInstance::create(&engine, &pre, name, &config.to_string(), SandboxLimits::default())
+        let mut instance = WasmFilter::create(&engine, &pre, name, &config.to_string(), SandboxLimits::default())
             .await
             .map_err(anyhow::Error::msg)?;
         let inner: Vec<&str> = messages.iter().map(|m| &m[8..m.len() - 1]).collect();

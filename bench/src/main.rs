@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use sluice::change::Encoder;
 use sluice::plugin::{NetGrant, Registry, SandboxLimits};
+use sluice::service::{Service, ServiceConfig};
 use sluice::source::ChangeSource;
 use sluice::status::Status;
 use sluice::storage::sqlite::{Durability, SqliteChangeLog};
-use sluice::streamer::{Streamer, StreamerOptions};
-use tokio::sync::watch;
+use sluice::storage::{ChangeLog, LogReader};
 
 mod custom_source;
 mod filters;
@@ -384,35 +384,39 @@ async fn catchup(
         .source("mock-source", config, SandboxLimits::default(), NetGrant::default())
         .await
         .map_err(anyhow::Error::msg)?;
-    let status = Arc::new(Status::default());
-    let hub = sluice::hub::Hub::new(reader, status.clone());
-    let (stop, stop_rx) = watch::channel(false);
-    let app = sluice::server::AppState {
-        hub: hub.clone(),
-        status: status.clone(),
-        subscriber_limits: sluice::subscriber::Limits::default(),
-        ping_interval: Duration::from_secs(30),
-        filters: sluice::filter::FilterHost::none(),
-    };
-    let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx.clone()).await?;
-    tokio::spawn(serve);
-    let streamer = Streamer::new(Box::new(source), log, hub, StreamerOptions::default(), status.clone());
-    let task = tokio::spawn(streamer.run(stop_rx));
     let last = sluice::watermark::to_lexi(txs as u128);
-    while status.snapshot().last_watermark.as_deref() != Some(last.as_str()) {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (service, _) = store_until(Box::new(source), log, reader, &last).await?;
     let t0 = Instant::now();
-    let (changes, _) = bench_subscriber(addr.to_string(), 0, last, String::new()).await?;
+    let (changes, _) = bench_subscriber(service.addr().to_string(), 0, last, String::new()).await?;
     let secs = t0.elapsed().as_secs_f64();
     println!(
         "{label}: replayed {changes} changes ({} messages with begin/commit) in {secs:.2} s: {:.0} changes/s",
         changes + 2 * txs,
         changes as f64 / secs
     );
-    let _ = stop.send(true);
-    task.await??;
-    Ok(())
+    service.stop().await
+}
+
+/// Sluice (the service, without cleanup) on `source` and `log`, once `last`
+/// is durable, and the seconds that took.
+pub async fn store_until(
+    source: Box<dyn ChangeSource>,
+    log: Box<dyn ChangeLog>,
+    reader: Arc<dyn LogReader>,
+    last: &str,
+) -> anyhow::Result<(Service, f64)> {
+    let started = Instant::now();
+    let service = Service::start(ServiceConfig { cleanup: None, ..ServiceConfig::new(source, log, reader) }).await?;
+    let status = service.status().clone();
+    while status.snapshot().last_watermark.as_deref() != Some(last) {
+        anyhow::ensure!(
+            !service.is_finished(),
+            "the streamer stopped before storing {last}: {:?}",
+            status.snapshot().source
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    Ok((service, started.elapsed().as_secs_f64()))
 }
 
 async fn boundary(registry: &Registry, row_bytes: usize) -> anyhow::Result<()> {
@@ -476,23 +480,12 @@ async fn store_with(
             std::fs::remove_file(&leftover)?;
         }
     }
-    let log = SqliteChangeLog::open(&db, durability)?;
-    let status = Arc::new(Status::default());
-    let (stop, stop_rx) = watch::channel(false);
-    let hub = sluice::hub::Hub::new(Arc::new(sluice::storage::sqlite::SqliteReader::new(&db)), status.clone());
-    let streamer = Streamer::new(Box::new(source), Box::new(log), hub, StreamerOptions::default(), status.clone());
-    let started = Instant::now();
-    let task = tokio::spawn(streamer.run(stop_rx));
+    let log = Box::new(SqliteChangeLog::open(&db, durability)?);
+    let reader = Arc::new(sluice::storage::sqlite::SqliteReader::new(&db));
     let last = sluice::watermark::to_lexi(txs as u128);
-    loop {
-        if status.snapshot().last_watermark.as_deref() == Some(last.as_str()) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    let secs = started.elapsed().as_secs_f64();
-    let _ = stop.send(true);
-    task.await??;
+    let (service, secs) = store_until(Box::new(source), log, reader, &last).await?;
+    let status = service.status().clone();
+    service.stop().await?;
     let bytes =
         std::fs::metadata(&db)?.len() + std::fs::metadata(db.with_extension("db-wal")).map(|m| m.len()).unwrap_or(0);
     println!(
@@ -528,21 +521,12 @@ async fn store_pg(registry: &Registry, tmp: &Path, url: &str, rows: u32, row_byt
         .map_err(anyhow::Error::msg)?;
     let settings = pg_settings(url, &format!("bench{rows}x{row_bytes}"));
     let rt = tokio::runtime::Handle::current();
-    let log = tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?;
-    let status = Arc::new(Status::default());
-    let hub = sluice::hub::Hub::new(Arc::new(PostgresReader::new(settings, rt)), status.clone());
-    let (stop, stop_rx) = watch::channel(false);
-    let streamer = Streamer::new(Box::new(source), Box::new(log), hub, StreamerOptions::default(), status.clone());
-    let started = Instant::now();
-    let task = tokio::spawn(streamer.run(stop_rx));
+    let log = Box::new(tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?);
+    let reader = Arc::new(PostgresReader::new(settings, rt));
     let last = sluice::watermark::to_lexi(txs as u128);
-    while status.snapshot().last_watermark.as_deref() != Some(last.as_str()) {
-        anyhow::ensure!(!task.is_finished(), "the streamer stopped: {:?}", status.snapshot().source);
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    let secs = started.elapsed().as_secs_f64();
-    let _ = stop.send(true);
-    task.await??;
+    let (service, secs) = store_until(Box::new(source), log, reader, &last).await?;
+    let status = service.status().clone();
+    service.stop().await?;
     let _ = tmp;
     println!(
         "{rows:>3} rows/tx of {row_bytes:>4} B: {:>8.0} tx/s, {:>9.0} changes/s ({txs} tx in {secs:.2} s)",

@@ -250,7 +250,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         call_deadline: Duration::from_millis(args.filter_deadline_ms),
         memory_bytes: args.filter_memory_mb << 20,
     };
-    let filters = sluice::filter::FilterHost::new(registry.clone(), filter_limits);
+    let filters = sluice::plugin::FilterPlugins::host(registry.clone(), filter_limits);
     anyhow::ensure!(
         !args.app_id.is_empty()
             && args.app_id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),

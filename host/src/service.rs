@@ -11,6 +11,10 @@
 //!    subscriber that comes at once finds it (and, on a shared change DB,
 //!    waits for this host to own it) instead of being turned away;
 //! 5. the endpoint serves and the loop runs.
+//!
+//! The replication loop can be stopped and started again on another source
+//! or log handle while the endpoint keeps serving ([`Service::stop_replication`],
+//! [`Service::start_replication`]): subscribers stay connected across it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -73,10 +77,32 @@ pub struct Service {
     addr: SocketAddr,
     status: Arc<Status>,
     hub: Arc<Hub>,
+    /// Stops everything: the endpoint, cleanup, progress logging.
     stop: watch::Sender<bool>,
-    /// The replication loop, until it has ended.
-    streamer: Option<JoinHandle<anyhow::Result<()>>>,
+    /// The options each replication loop starts with.
+    options: StreamerOptions,
+    /// The replication loop, until it has ended or was stopped.
+    replication: Option<Replication>,
     server: JoinHandle<std::io::Result<()>>,
+}
+
+/// A running replication loop and its own stop signal.
+struct Replication {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Replication {
+    fn start(streamer: Streamer) -> Replication {
+        let (stop, stop_rx) = watch::channel(false);
+        Replication { stop, task: tokio::spawn(streamer.run(stop_rx)) }
+    }
+
+    /// Asks the loop to stop (the storer drains what is queued) and waits.
+    async fn stop(self) -> anyhow::Result<()> {
+        let _ = self.stop.send(true);
+        self.task.await.context("the replication loop panicked")?
+    }
 }
 
 impl Service {
@@ -100,11 +126,36 @@ impl Service {
         }
         let options =
             StreamerOptions { advertise: config.advertise.unwrap_or_else(|| addr.to_string()), ..config.streamer };
-        let mut streamer = Streamer::new(config.source, config.log, hub.clone(), options, status.clone());
+        let mut streamer = Streamer::new(config.source, config.log, hub.clone(), options.clone(), status.clone());
         streamer.seed_hub();
         let server = tokio::spawn(serve);
-        let streamer = tokio::spawn(streamer.run(stop_rx));
-        Ok(Service { addr, status, hub, stop, streamer: Some(streamer), server })
+        let replication = Some(Replication::start(streamer));
+        Ok(Service { addr, status, hub, stop, options, replication, server })
+    }
+
+    /// Stops the replication loop alone (the storer drains what is queued)
+    /// and returns how it ended. The endpoint keeps serving: subscribers
+    /// stay connected and follow the next loop.
+    pub async fn stop_replication(&mut self) -> anyhow::Result<()> {
+        match self.replication.take() {
+            Some(replication) => replication.stop().await,
+            None => Ok(()),
+        }
+    }
+
+    /// The options the next replication loop starts with (those the service
+    /// started with, until changed here).
+    pub fn streamer_options(&mut self) -> &mut StreamerOptions {
+        &mut self.options
+    }
+
+    /// Starts a replication loop on `source` and `log` after
+    /// [`Service::stop_replication`].
+    pub fn start_replication(&mut self, source: Box<dyn ChangeSource>, log: Box<dyn ChangeLog>) -> anyhow::Result<()> {
+        anyhow::ensure!(self.replication.is_none(), "a replication loop is running already");
+        let streamer = Streamer::new(source, log, self.hub.clone(), self.options.clone(), self.status.clone());
+        self.replication = Some(Replication::start(streamer));
+        Ok(())
     }
 
     /// Where subscribers and `/status` reach the service.
@@ -122,16 +173,16 @@ impl Service {
 
     /// The replication loop has ended by itself.
     pub fn is_finished(&self) -> bool {
-        self.streamer.as_ref().is_none_or(|s| s.is_finished())
+        self.replication.as_ref().is_none_or(|r| r.task.is_finished())
     }
 
     /// Resolves when the replication loop ends by itself: `Err` with the
     /// reason after a fatal error, `Ok` after a clean stop (another host
     /// took the log over). The endpoint stops with it.
     pub async fn finished(&mut self) -> anyhow::Result<()> {
-        let Some(streamer) = self.streamer.as_mut() else { return Ok(()) };
-        let result = streamer.await;
-        self.streamer = None;
+        let Some(replication) = self.replication.as_mut() else { return Ok(()) };
+        let result = (&mut replication.task).await;
+        self.replication = None;
         self.server.abort();
         result.context("the replication loop panicked")?
     }
@@ -139,10 +190,7 @@ impl Service {
     /// Stops the loop (the storer drains what is queued) and the endpoint.
     pub async fn stop(mut self) -> anyhow::Result<()> {
         let _ = self.stop.send(true);
-        let result = match self.streamer.take() {
-            Some(streamer) => streamer.await.context("the replication loop panicked")?,
-            None => Ok(()),
-        };
+        let result = self.stop_replication().await;
         self.server.abort();
         result
     }
@@ -151,6 +199,9 @@ impl Service {
 impl Drop for Service {
     fn drop(&mut self) {
         let _ = self.stop.send(true);
+        if let Some(replication) = &self.replication {
+            let _ = replication.stop.send(true);
+        }
         self.server.abort();
     }
 }

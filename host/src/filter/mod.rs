@@ -9,7 +9,6 @@
 //! socket, so catch-up and live changes take the same path and a subscriber
 //! sees the same view whichever way a change reached it.
 
-mod instance;
 mod route;
 
 use std::collections::{HashMap, VecDeque};
@@ -18,11 +17,30 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
-pub use instance::FilterInstance;
+use async_trait::async_trait;
 pub use route::{route, Route};
+pub use sluice_contract::filter::{Decision, TablePolicy};
 
-use crate::plugin::bindings::filter::exports::sluice::plugin::filter::{Decision, TablePolicy};
-use crate::plugin::{Registry, SandboxLimits};
+/// One filter of a chain, created from one configuration. In Sluice it is a
+/// filter plugin instance (`plugin::WasmFilter`); the group below only needs
+/// these calls.
+#[async_trait]
+pub trait ChangeFilter: Send {
+    /// The plugin's name, for errors and logs.
+    fn name(&self) -> &str;
+    /// What the filter does with the row changes of a table.
+    async fn policy(&mut self, schema: &str, table: &str) -> Result<TablePolicy, String>;
+    /// One decision per change object (JSON text), in order.
+    async fn apply(&mut self, changes: &[&str]) -> Result<Vec<Decision>, String>;
+}
+
+/// Where filters come from: the plugin directory (`plugin::FilterPlugins`).
+#[async_trait]
+pub trait FilterFactory: Send + Sync {
+    /// A filter `plugin` configured with `config` (a JSON text), or an error
+    /// naming the plugin and the cause.
+    async fn create(&self, plugin: &str, config: &str) -> Result<Box<dyn ChangeFilter>, String>;
+}
 
 /// One filter of a chain, as a subscriber asks for it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -124,7 +142,7 @@ enum TableVerdict {
 }
 
 struct Chain {
-    filters: Vec<FilterInstance>,
+    filters: Vec<Box<dyn ChangeFilter>>,
     /// Set once a filter failed; the group serves no one after that.
     failed: Option<String>,
 }
@@ -364,7 +382,7 @@ fn slow_row_table(inner: &str) -> Option<(String, String)> {
 /// Runs data messages through each filter of the chain in turn. Only the
 /// changes a filter must inspect are copied across its boundary.
 async fn evaluate<'a>(
-    filters: &mut [FilterInstance],
+    filters: &mut [Box<dyn ChangeFilter>],
     items: impl Iterator<Item = Item<'a>>,
 ) -> Result<Vec<Outcome>, String> {
     let mut items: Vec<Item<'_>> = items.collect();
@@ -458,20 +476,20 @@ pub fn is_data(message: &str) -> bool {
 
 /// Creates and shares filter groups.
 pub struct FilterHost {
-    registry: Option<Arc<Registry>>,
-    limits: SandboxLimits,
+    factory: Option<Arc<dyn FilterFactory>>,
     groups: tokio::sync::Mutex<HashMap<String, Weak<FilterGroup>>>,
 }
 
 impl FilterHost {
-    /// `registry`: the plugin directory, if there is one.
-    pub fn new(registry: Option<Arc<Registry>>, limits: SandboxLimits) -> Arc<FilterHost> {
-        Arc::new(FilterHost { registry, limits, groups: Default::default() })
+    /// `factory`: where filters come from, if anywhere (`None`: Sluice runs
+    /// without a plugin directory).
+    pub fn new(factory: Option<Arc<dyn FilterFactory>>) -> Arc<FilterHost> {
+        Arc::new(FilterHost { factory, groups: Default::default() })
     }
 
     /// No filters available (no plugin directory).
     pub fn none() -> Arc<FilterHost> {
-        Self::new(None, SandboxLimits::default())
+        Self::new(None)
     }
 
     /// The group for `specs`, shared with subscribers that asked for the same
@@ -483,13 +501,11 @@ impl FilterHost {
             return Ok(g);
         }
         groups.retain(|_, g| g.strong_count() > 0);
-        let registry =
-            self.registry.as_ref().ok_or("filters are not available: sluice runs without a plugin directory")?;
+        let factory =
+            self.factory.as_ref().ok_or("filters are not available: sluice runs without a plugin directory")?;
         let mut filters = Vec::with_capacity(specs.len());
         for spec in specs {
-            let (engine, pre) = registry.filter(&spec.plugin).await?;
-            let config = spec.config.to_string();
-            filters.push(FilterInstance::create(&engine, &pre, &spec.plugin, &config, self.limits).await?);
+            filters.push(factory.create(&spec.plugin, &spec.config.to_string()).await?);
         }
         let label = specs.iter().map(|s| s.plugin.as_str()).collect::<Vec<_>>().join(" -> ");
         let group = Arc::new(FilterGroup {
@@ -518,6 +534,130 @@ mod tests {
         assert!(parse_specs("[]").unwrap_err().contains("empty"));
         assert!(parse_specs("{").unwrap_err().contains("invalid filters parameter"));
         assert!(parse_specs(r#"[{"plugin":"x","other":1}]"#).unwrap_err().contains("unknown field"));
+    }
+
+    /// A native filter for the group's tests: drops the rows of `secret`
+    /// by table, inspects `items` (dropping odd ids, blanking `note`), keeps
+    /// the rest; counts what it is asked, and fails when told to.
+    struct Native {
+        calls: Arc<std::sync::atomic::AtomicUsize>,
+        inspected: Arc<std::sync::atomic::AtomicUsize>,
+        fail: bool,
+    }
+
+    #[async_trait]
+    impl ChangeFilter for Native {
+        fn name(&self) -> &str {
+            "native"
+        }
+        async fn policy(&mut self, _schema: &str, table: &str) -> Result<TablePolicy, String> {
+            Ok(match table {
+                "secret" => TablePolicy::DropAll,
+                "items" => TablePolicy::Inspect,
+                _ => TablePolicy::KeepAll,
+            })
+        }
+        async fn apply(&mut self, changes: &[&str]) -> Result<Vec<Decision>, String> {
+            use std::sync::atomic::Ordering::Relaxed;
+            if self.fail {
+                return Err("filter native failed on purpose".into());
+            }
+            self.calls.fetch_add(1, Relaxed);
+            self.inspected.fetch_add(changes.len(), Relaxed);
+            Ok(changes
+                .iter()
+                .map(|c| {
+                    let v: serde_json::Value = serde_json::from_str(c).unwrap();
+                    match v["new"]["id"].as_i64() {
+                        Some(id) if id % 2 == 1 => Decision::Drop,
+                        Some(_) => Decision::Replace(c.replace("\"note\":\"x\"", "\"note\":null")),
+                        None => Decision::Keep,
+                    }
+                })
+                .collect())
+        }
+    }
+
+    struct Natives {
+        calls: Arc<std::sync::atomic::AtomicUsize>,
+        inspected: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    #[async_trait]
+    impl FilterFactory for Natives {
+        async fn create(&self, plugin: &str, _config: &str) -> Result<Box<dyn ChangeFilter>, String> {
+            match plugin {
+                "native" | "failing" => Ok(Box::new(Native {
+                    calls: self.calls.clone(),
+                    inspected: self.inspected.clone(),
+                    fail: plugin == "failing",
+                })),
+                _ => Err(format!("no filter plugin {plugin}")),
+            }
+        }
+    }
+
+    fn insert(table: &str, id: i64) -> Arc<str> {
+        Arc::from(format!(
+            r#"["data",{{"tag":"insert","relation":{{"schema":"public","name":"{table}","rowKey":{{"columns":["id"]}}}},"new":{{"id":{id},"note":"x"}}}}]"#
+        ))
+    }
+
+    fn spec(plugin: &str) -> Vec<FilterSpec> {
+        vec![FilterSpec { plugin: plugin.into(), config: empty_object() }]
+    }
+
+    #[tokio::test]
+    async fn a_group_decides_by_table_once_known_and_inspects_only_what_it_must() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let natives = Arc::new(Natives { calls: Default::default(), inspected: Default::default() });
+        let host = FilterHost::new(Some(natives.clone()));
+        let group = host.group(&spec("native")).await.unwrap();
+        let batch = [insert("items", 1), insert("items", 2), insert("secret", 3), insert("other", 4)];
+        let out = group.apply(&batch).await.unwrap();
+        assert_eq!(out[0], Outcome::Drop);
+        assert_eq!(out[1], Outcome::Replace(Arc::from(batch[1].replace(r#""note":"x""#, r#""note":null"#))));
+        assert_eq!(out[2..], [Outcome::Drop, Outcome::Keep]);
+        assert_eq!(natives.inspected.load(Relaxed), 2, "only the rows of the inspected table cross");
+        // The tables are known now: `secret` and `other` cost no call.
+        let evaluations = group.evaluations();
+        let out = group.apply(&[insert("secret", 5), insert("other", 6)]).await.unwrap();
+        assert_eq!(out, [Outcome::Drop, Outcome::Keep]);
+        assert_eq!(group.evaluations(), evaluations);
+        assert_eq!(natives.calls.load(Relaxed), 1);
+        // A chain asked for again is the same group.
+        assert!(Arc::ptr_eq(&group, &host.group(&spec("native")).await.unwrap()));
+        assert!(host.group(&spec("missing")).await.err().unwrap().contains("no filter plugin missing"));
+    }
+
+    #[tokio::test]
+    async fn subscribers_of_a_group_share_each_outcome() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let natives = Arc::new(Natives { calls: Default::default(), inspected: Default::default() });
+        let host = FilterHost::new(Some(natives.clone()));
+        let group = host.group(&spec("native")).await.unwrap();
+        let second = host.group(&spec("native")).await.unwrap();
+        let batch: Vec<Arc<str>> = (10..20).map(|id| insert("items", id)).collect();
+        let first_out = group.apply(&batch).await.unwrap();
+        // The same changes replayed from the log (equal texts, other
+        // pointers) for the other subscriber: answered from the cache.
+        let replayed: Vec<Arc<str>> = batch.iter().map(|m| Arc::from(m.to_string())).collect();
+        assert_eq!(second.apply(&replayed).await.unwrap(), first_out);
+        assert_eq!(natives.inspected.load(Relaxed), 10);
+        assert_eq!(group.evaluations(), 10);
+    }
+
+    #[tokio::test]
+    async fn a_failed_chain_fails_its_subscribers_and_a_new_one_is_built() {
+        let natives = Arc::new(Natives { calls: Default::default(), inspected: Default::default() });
+        let host = FilterHost::new(Some(natives));
+        let group = host.group(&spec("failing")).await.unwrap();
+        let err = group.apply(&[insert("items", 1)]).await.unwrap_err();
+        assert!(err.contains("failed on purpose"), "{err}");
+        assert_eq!(group.apply(&[insert("other", 1)]).await.unwrap_err(), err, "the group stays failed");
+        let fresh = host.group(&spec("failing")).await.unwrap();
+        assert!(!Arc::ptr_eq(&group, &fresh));
+        assert!(FilterHost::none().group(&spec("native")).await.err().unwrap().contains("without a plugin directory"));
     }
 
     #[test]

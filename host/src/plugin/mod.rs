@@ -4,17 +4,17 @@
 //! file stem and its kind comes from the interfaces it exports. A file that
 //! fails to load is reported with the cause and skipped; the others load.
 
-pub mod bindings;
 mod cache;
 pub mod net;
 mod registry;
 mod sandbox;
+mod wasm_filter;
 mod wasm_source;
 
 pub use registry::{PluginInfo, PluginKind, Registry};
 pub use sandbox::{describe_failure, new_store, HostState, NetGrant, SandboxLimits};
+pub use wasm_filter::{FilterPlugins, WasmFilter};
 pub use wasm_source::WasmSource;
 
 /// The WIT package version this host speaks.
-pub const WIT_PACKAGE: &str = "sluice:plugin";
-pub const WIT_VERSION: (u64, u64) = (0, 3);
+pub use sluice_contract::{WIT_PACKAGE, WIT_VERSION};

@@ -10,11 +10,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
+use sluice_contract::filter_world::FilterPluginPre;
+use sluice_contract::source_world::SourcePluginPre;
 use wasmtime::component::{Component, Linker};
 use wasmtime::Engine;
 
-use super::bindings::filter::FilterPluginPre;
-use super::bindings::SourcePluginPre;
 use super::cache::CodeCache;
 use super::sandbox::{self, HostState, NetGrant, SandboxLimits};
 use super::wasm_source::WasmSource;
@@ -271,7 +271,7 @@ fn classify(engine: &Engine, component: &Component) -> Result<(PluginKind, Strin
         }
     }
     if found.is_empty() {
-        return Err(format!("exports no {WIT_PACKAGE} interface (a source exports {WIT_PACKAGE}/source@0.1.x, a filter {WIT_PACKAGE}/filter@0.1.x)"));
+        return Err(format!("exports no {WIT_PACKAGE} interface (a source exports {WIT_PACKAGE}/source@{v}, a filter {WIT_PACKAGE}/filter@{v})", v = format_args!("{}.{}.x", WIT_VERSION.0, WIT_VERSION.1)));
     }
     for (interface, version) in &found {
         if !compatible(version) {

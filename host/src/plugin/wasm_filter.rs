@@ -1,19 +1,46 @@
 //! One filter plugin instance: its own Store (memory cap, per-call deadline,
 //! no WASI capabilities beyond stderr to the log) and the `change-filter`
-//! resource created from one configuration.
+//! resource created from one configuration. [`FilterPlugins`] creates them
+//! for the filter host from the plugin directory.
 
+use std::sync::Arc;
+
+use async_trait::async_trait;
 use json_scan::ColumnLocator;
 use rustc_hash::FxHashMap;
-
+use sluice_contract::filter::{Batch, Decision, TablePolicy};
+use sluice_contract::filter_world::{FilterPlugin, FilterPluginPre};
+use sluice_contract::model::PluginError;
 use wasmtime::component::ResourceAny;
 use wasmtime::{Engine, Store};
 
-use crate::plugin::bindings::filter::exports::sluice::plugin::filter::{Batch, Decision, TablePolicy};
-use crate::plugin::bindings::filter::{FilterPlugin, FilterPluginPre};
-use crate::plugin::{describe_failure, new_store, HostState, NetGrant, SandboxLimits};
-use crate::source::model::PluginError;
+use super::sandbox::{describe_failure, new_store, HostState, NetGrant, SandboxLimits};
+use super::Registry;
+use crate::filter::{ChangeFilter, FilterFactory, FilterHost};
 
-pub struct FilterInstance {
+/// The filters of a plugin directory, each instance in its own sandbox.
+pub struct FilterPlugins {
+    registry: Arc<Registry>,
+    limits: SandboxLimits,
+}
+
+impl FilterPlugins {
+    /// The filter host subscribers' chains are built by: the plugin
+    /// directory's filters, or none without a directory.
+    pub fn host(registry: Option<Arc<Registry>>, limits: SandboxLimits) -> Arc<FilterHost> {
+        FilterHost::new(registry.map(|registry| Arc::new(FilterPlugins { registry, limits }) as Arc<dyn FilterFactory>))
+    }
+}
+
+#[async_trait]
+impl FilterFactory for FilterPlugins {
+    async fn create(&self, plugin: &str, config: &str) -> Result<Box<dyn ChangeFilter>, String> {
+        let (engine, pre) = self.registry.filter(plugin).await?;
+        Ok(Box::new(WasmFilter::create(&engine, &pre, plugin, config, self.limits).await?))
+    }
+}
+
+pub struct WasmFilter {
     name: String,
     store: Store<HostState>,
     plugin: FilterPlugin,
@@ -39,7 +66,7 @@ fn empty_batch() -> Batch {
 /// sent to it).
 const MAX_ROW_COLUMNS: usize = 64;
 
-impl FilterInstance {
+impl WasmFilter {
     pub async fn create(
         engine: &Engine,
         pre: &FilterPluginPre<HostState>,
@@ -79,7 +106,7 @@ impl FilterInstance {
                 ));
             }
         }
-        Ok(FilterInstance {
+        Ok(WasmFilter {
             name: name.to_string(),
             store,
             plugin,
@@ -94,8 +121,11 @@ impl FilterInstance {
     fn failure(&self, e: wasmtime::Error) -> String {
         format!("filter plugin {} {}", self.name, describe_failure(&e, self.store.data(), self.limits))
     }
+}
 
-    pub async fn policy(&mut self, schema: &str, table: &str) -> Result<TablePolicy, String> {
+#[async_trait]
+impl ChangeFilter for WasmFilter {
+    async fn policy(&mut self, schema: &str, table: &str) -> Result<TablePolicy, String> {
         if let Some(p) = self.policies.get(schema).and_then(|t| t.get(table)) {
             return Ok(*p);
         }
@@ -110,7 +140,7 @@ impl FilterInstance {
     }
 
     /// Decisions for change objects (JSON texts), one per change.
-    pub async fn apply(&mut self, changes: &[&str]) -> Result<Vec<Decision>, String> {
+    async fn apply(&mut self, changes: &[&str]) -> Result<Vec<Decision>, String> {
         // The batch's buffers are kept between calls (this runs for every
         // batch a subscriber is sent), and let go when a batch was large.
         let batch = &mut self.batch;
@@ -150,7 +180,7 @@ impl FilterInstance {
         Ok(decisions)
     }
 
-    pub fn name(&self) -> &str {
+    fn name(&self) -> &str {
         &self.name
     }
 }

@@ -1,11 +1,11 @@
 //! A change source backed by a WebAssembly plugin.
 
 use async_trait::async_trait;
+use sluice_contract::source_world::exports::sluice::plugin::source::ResumePoint;
+use sluice_contract::source_world::{SourcePlugin, SourcePluginPre};
 use wasmtime::component::ResourceAny;
 use wasmtime::{Engine, Store};
 
-use super::bindings::exports::sluice::plugin::source::ResumePoint;
-use super::bindings::{SourcePlugin, SourcePluginPre};
 use super::sandbox::{self, HostState, NetGrant, SandboxLimits};
 use crate::source::model::{Message, PluginError};
 use crate::source::{ChangeSource, ChangeStream, Resume, SourceError};

@@ -1,15 +1,15 @@
 //! Change sources: where transactions come from.
 //!
 //! Every source, a WebAssembly plugin or a native one, implements
-//! [`ChangeSource`] and produces [`model::Message`]s (the types generated from
-//! `wit/sluice.wit`), so everything downstream is shared.
+//! [`ChangeSource`] and produces [`model::Message`]s (the change model of the
+//! WIT contract, crate `sluice-contract`), so everything downstream is shared.
 
 use async_trait::async_trait;
 
 pub mod postgres;
 
 /// The change model from the WIT contract.
-pub use crate::plugin::bindings::sluice::plugin::types as model;
+pub use sluice_contract::model;
 
 /// Why a source call failed, and so what the replication loop does next.
 #[derive(Debug, thiserror::Error)]

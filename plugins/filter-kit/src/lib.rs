@@ -1,115 +1,21 @@
-//! Shared pieces of the bundled filter plugins: `schema.table` glob patterns,
-//! reading Zero's change objects (the JSON a filter receives), the three
-//! bundled filters as plain Rust (so they are tested and benchmarked natively
-//! too), and [`export_filter!`], the WIT glue that turns one into a plugin.
+//! The bundled filter plugins as plain Rust (so they are tested and
+//! benchmarked natively too) and what they share: `schema.table` glob
+//! patterns and reading Zero's change objects (the JSON a filter receives).
+//! Each is a [`Filter`] of the plugin SDK; its plugin crate is one
+//! `sluice_plugin_sdk::export_filter!` line.
 
 pub mod redact;
 pub mod row;
 pub mod table;
 
-/// The JSON scanner and tag reader, shared with the host.
-pub use json_scan as scan;
-pub use json_scan::tag_of;
+/// The filter trait and its answers, from the plugin SDK.
+pub use sluice_plugin_sdk::filter::split;
+pub use sluice_plugin_sdk::scan;
+pub use sluice_plugin_sdk::scan::tag_of;
+pub use sluice_plugin_sdk::{Filter, Policy, Verdict};
 
 use serde::Deserialize;
 use serde_json::Value;
-
-/// How a filter treats one table's row changes (the WIT `table-policy`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Policy {
-    KeepAll,
-    DropAll,
-    Inspect,
-}
-
-/// What becomes of one change (the WIT `decision`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
-    Keep,
-    Drop,
-    Replace(String),
-}
-
-/// A filter's logic, independent of the plugin boundary.
-pub trait Filter: Sized {
-    /// Builds the filter from the subscriber's configuration (JSON text).
-    fn from_config(config: &str) -> Result<Self, String>;
-    fn policy(&self, schema: &str, table: &str) -> Policy;
-    /// Decides one change object (`tag` and its JSON text).
-    fn decide(&self, tag: &str, json: &str) -> Verdict;
-    /// The columns the filter judges rows by (the WIT `row-columns`), if it
-    /// reads only a few: the host then finds their values for it.
-    fn row_columns(&self) -> Option<Vec<String>> {
-        None
-    }
-    /// Decides one change with the host's spans of [`Filter::row_columns`]
-    /// in it ([`scan::ColumnLocator`]'s layout: four numbers per column).
-    fn decide_located(&self, tag: &str, json: &str, _spans: &[u32]) -> Verdict {
-        self.decide(tag, json)
-    }
-}
-
-/// Exports a [`Filter`] as a `filter-plugin` component. Invoke it once at the
-/// root of a `cdylib` crate in `plugins/` (the WIT path is relative to it).
-#[macro_export]
-macro_rules! export_filter {
-    ($filter:ty) => {
-        wit_bindgen::generate!({ path: "../../wit", world: "filter-plugin" });
-
-        use exports::sluice::plugin::filter::{Batch, ChangeFilter, Decision, Guest, GuestChangeFilter, TablePolicy};
-        use sluice::plugin::types::PluginError;
-
-        struct Component;
-        /// The filter and how many `row-columns` it named.
-        struct Instance($filter, usize);
-
-        impl Guest for Component {
-            type ChangeFilter = Instance;
-            fn create(config: String) -> Result<ChangeFilter, PluginError> {
-                let filter = <$filter as $crate::Filter>::from_config(&config).map_err(PluginError::InvalidConfig)?;
-                let columns = $crate::Filter::row_columns(&filter).map_or(0, |c| c.len());
-                Ok(ChangeFilter::new(Instance(filter, columns)))
-            }
-        }
-
-        impl GuestChangeFilter for Instance {
-            fn table_policy(&self, schema: String, name: String) -> TablePolicy {
-                match $crate::Filter::policy(&self.0, &schema, &name) {
-                    $crate::Policy::KeepAll => TablePolicy::KeepAll,
-                    $crate::Policy::DropAll => TablePolicy::DropAll,
-                    $crate::Policy::Inspect => TablePolicy::Inspect,
-                }
-            }
-            fn row_columns(&self) -> Option<Vec<String>> {
-                $crate::Filter::row_columns(&self.0)
-            }
-            fn apply(&self, batch: Batch) -> Vec<Decision> {
-                let per_change = 4 * self.1;
-                // Sized up front: a collected `map_while` would grow step by step.
-                let mut decisions = Vec::with_capacity(batch.ends.len());
-                decisions.extend($crate::split(&batch.texts, &batch.ends)
-                    .enumerate()
-                    .map(|(i, json)| {
-                        let tag = $crate::tag_of(json);
-                        let verdict = if per_change == 0 {
-                            $crate::Filter::decide(&self.0, tag, json)
-                        } else {
-                            let spans = batch.spans.get(i * per_change..(i + 1) * per_change).unwrap_or(&[]);
-                            $crate::Filter::decide_located(&self.0, tag, json, spans)
-                        };
-                        match verdict {
-                            $crate::Verdict::Keep => Decision::Keep,
-                            $crate::Verdict::Drop => Decision::Drop,
-                            $crate::Verdict::Replace(text) => Decision::Replace(text),
-                        }
-                    }));
-                decisions
-            }
-        }
-
-        export!(Component);
-    };
-}
 
 /// `*` matches any run of characters, `?` any one character.
 pub fn glob_match(pattern: &str, text: &str) -> bool {
@@ -174,17 +80,6 @@ pub fn key_columns(relation: &str) -> Vec<String> {
         row_key: RowKey,
     }
     serde_json::from_str::<Rel>(relation).map(|r| r.row_key.columns).unwrap_or_default()
-}
-
-/// The change texts of a batch (`texts` cut at `ends`); a bad offset ends
-/// the iteration early, which the host reports as a wrong decision count.
-pub fn split<'a>(texts: &'a str, ends: &'a [u32]) -> impl Iterator<Item = &'a str> + 'a {
-    let mut start = 0usize;
-    ends.iter().map_while(move |&end| {
-        let piece = texts.get(start..end as usize)?;
-        start = end as usize;
-        Some(piece)
-    })
 }
 
 /// `{"schema":..,"name":..}` as a pair.

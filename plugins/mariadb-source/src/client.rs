@@ -2,7 +2,6 @@
 //! authenticate with mysql_native_password, run text queries, and stream the
 //! rows of a large result set.
 
-use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
 use sha1::{Digest, Sha1};
@@ -61,20 +60,7 @@ pub type Row = Vec<Option<Vec<u8>>>;
 
 impl Client {
     pub fn connect(host: &str, port: u16, user: &str, password: &str, timeout: Duration) -> CResult<Client> {
-        let addrs: Vec<_> =
-            (host, port).to_socket_addrs().map_err(|e| format!("cannot resolve {host}:{port}: {e}"))?.collect();
-        let mut last = format!("{host}:{port} resolves to no address");
-        let mut stream = None;
-        for addr in addrs {
-            match TcpStream::connect_timeout(&addr, timeout) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = format!("cannot connect to {addr}: {e}"),
-            }
-        }
-        let stream = stream.ok_or(ClientError::Io(last))?;
+        let stream = sluice_plugin_sdk::net::connect(host, port, timeout)?;
         let mut conn = Conn::new(stream, timeout)?;
         let hello = conn.read_packet()?;
         if hello.first() == Some(&0xff) {

@@ -20,17 +20,10 @@
 //! changes), `tables` (relations and schemas the stream declared),
 //! `snapshot` and `replication` (the two phases of a stream).
 
-use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Deserialize;
-
-wit_bindgen::generate!({
-    path: "../../wit",
-    world: "source-plugin",
-    additional_derives: [PartialEq],
-});
 
 pub mod binlog;
 pub mod client;
@@ -42,9 +35,9 @@ pub mod types;
 pub mod wire;
 
 use client::{Client, ClientError};
-use exports::sluice::plugin::source::{ChangeStream, Guest, GuestChangeStream, ResumePoint};
-pub use sluice::plugin::types::Value;
-use sluice::plugin::types::{Message, PluginError};
+pub use sluice_plugin_sdk::types::Value;
+use sluice_plugin_sdk::types::{Message, PluginError};
+use sluice_plugin_sdk::{Resume, Source};
 
 #[derive(Debug, Deserialize, Clone)]
 #[serde(deny_unknown_fields)]
@@ -186,13 +179,13 @@ impl std::fmt::Display for GtidPos {
     }
 }
 
-/// Zero's LexiVersion of a counter (see `sluice-watermark`).
+/// Zero's LexiVersion of a counter.
 pub fn to_lexi(n: u64) -> String {
-    sluice_watermark::to_lexi(n.into())
+    sluice_plugin_sdk::watermark::to_lexi(n.into())
 }
 
 pub fn from_lexi(s: &str) -> Option<u64> {
-    sluice_watermark::from_lexi(s).and_then(|n| u64::try_from(n).ok())
+    sluice_plugin_sdk::watermark::from_lexi(s).and_then(|n| u64::try_from(n).ok())
 }
 
 /// A watermark: the counter, then the GTID position after the transaction.
@@ -245,15 +238,24 @@ pub fn check_server(c: &mut Client, endpoint: &str) -> Result<(), PluginError> {
     }
 }
 
-struct Component;
+enum Phase {
+    Snapshot(Box<snapshot::Snapshot>),
+    Replicating(Box<replication::Replication>),
+    /// After reset-required: nothing more from this stream.
+    Done(String),
+}
 
-impl Guest for Component {
-    type ChangeStream = MariaStream;
+/// The plugin's stream: the snapshot, then the binlog.
+pub struct Stream {
+    config: Config,
+    phase: Phase,
+    /// An error met after part of a batch was converted: reported next call.
+    deferred: Option<PluginError>,
+}
 
-    fn open(config: String, resume: Option<ResumePoint>) -> Result<ChangeStream, PluginError> {
-        let config = Config::parse(&config)?;
-        // The log holds nothing beyond the replica version: start over.
-        let resume = resume.filter(|r| sluice_watermark::resumes(&r.watermark, &r.replica_version));
+impl Source for Stream {
+    fn open(config: &str, resume: Option<Resume>) -> Result<Stream, PluginError> {
+        let config = Config::parse(config)?;
         let phase = match resume {
             None => Phase::Snapshot(snapshot::Snapshot::start(&config)?),
             Some(r) => {
@@ -272,25 +274,9 @@ impl Guest for Component {
                 )?)
             }
         };
-        Ok(ChangeStream::new(MariaStream(RefCell::new(Stream { config, phase, deferred: None }))))
+        Ok(Stream { config, phase, deferred: None })
     }
-}
 
-enum Phase {
-    Snapshot(Box<snapshot::Snapshot>),
-    Replicating(Box<replication::Replication>),
-    /// After reset-required: nothing more from this stream.
-    Done(String),
-}
-
-struct Stream {
-    config: Config,
-    phase: Phase,
-    /// An error met after part of a batch was converted: reported next call.
-    deferred: Option<PluginError>,
-}
-
-impl Stream {
     fn next_batch(&mut self, max: u32) -> Result<Vec<Message>, PluginError> {
         if let Some(e) = self.deferred.take() {
             return Err(e);
@@ -330,22 +316,10 @@ impl Stream {
             Phase::Done(rv) => rv.clone(),
         }
     }
-}
-
-pub struct MariaStream(RefCell<Stream>);
-
-impl GuestChangeStream for MariaStream {
-    fn replica_version(&self) -> String {
-        self.0.borrow().replica_version()
-    }
-
-    fn next_batch(&self, max: u32) -> Result<Vec<Message>, PluginError> {
-        self.0.borrow_mut().next_batch(max)
-    }
 
     /// MariaDB keeps its binlog by its own retention settings
     /// (binlog_expire_logs_seconds); there is nothing to release.
-    fn ack(&self, _watermark: String) -> Result<(), PluginError> {
+    fn ack(&mut self, _watermark: &str) -> Result<(), PluginError> {
         Ok(())
     }
 }
@@ -375,7 +349,7 @@ pub fn stream_natively(config: &str, pos: &str, rows: u64) -> Result<Duration, S
 
 // Natively (unit tests, the decoder benchmark) the crate is a plain library.
 #[cfg(target_arch = "wasm32")]
-export!(Component);
+sluice_plugin_sdk::export_source!(Stream);
 
 #[cfg(test)]
 mod tests {

@@ -12,13 +12,13 @@ use std::time::{Duration, Instant};
 use crate::binlog::{self, kind, RowsKind, TableMap};
 use crate::client::{quote, Client, ClientError};
 use crate::ddl::{self, AlterOp, Ddl, TableRef};
-use crate::sluice::plugin::types::{
-    AddColumn, Begin, Commit, Control, CreateTable, Delete, DropColumn, Insert, Message, PluginError, RenameTable,
-    SchemaChange, Truncate, Update, UpdateColumn, Value,
-};
 use crate::tables::{column_spec, table_name, Tables};
 use crate::wire::Poll;
 use crate::{check_server, watermark, Config, GtidPos};
+use sluice_plugin_sdk::types::{
+    AddColumn, Begin, Commit, Control, CreateTable, Delete, DropColumn, Insert, Message, PluginError, RenameTable,
+    SchemaChange, Truncate, Update, UpdateColumn, Value,
+};
 
 /// How long an idle `next-batch` waits for an event.
 const WAIT: Duration = Duration::from_millis(100);

@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 use crate::client::{ident, quote, text, Client, Row};
 use crate::ddl::{ColumnDef, TableRef};
 use crate::replication::Replication;
-use crate::sluice::plugin::types::{Begin, Commit, CreateTable, Insert, Message, PluginError, SchemaChange};
 use crate::tables::Tables;
 use crate::types::{decode_text, ColType};
 use crate::{check_server, to_lexi, watermark, Config, GtidPos};
+use sluice_plugin_sdk::types::{Begin, Commit, CreateTable, Insert, Message, PluginError, SchemaChange};
 
 /// How long one `next-batch` reads rows before handing them over.
 const BATCH_TIME: Duration = Duration::from_millis(250);

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use crate::ddl::{ColumnDef, TableRef};
-use crate::sluice::plugin::types::{ColumnSpec, KeyType, Message, Relation, TableName, TableSpec};
+use sluice_plugin_sdk::types::{ColumnSpec, KeyType, Message, Relation, TableName, TableSpec};
 
 #[derive(Default)]
 pub struct Tables {

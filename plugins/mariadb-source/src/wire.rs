@@ -32,10 +32,9 @@ pub enum Poll {
 }
 
 impl Conn {
+    /// A connection over `stream`, whose read and write timeouts are
+    /// `timeout` already (`sluice_plugin_sdk::net::connect` sets them).
     pub fn new(stream: TcpStream, timeout: Duration) -> Result<Conn, String> {
-        let _ = stream.set_nodelay(true);
-        stream.set_read_timeout(Some(timeout)).map_err(|e| format!("setting a read timeout: {e}"))?;
-        stream.set_write_timeout(Some(timeout)).map_err(|e| format!("setting a write timeout: {e}"))?;
         Ok(Conn { stream, buf: Vec::with_capacity(64 << 10), pos: 0, seq: 0, nonblocking: false, timeout })
     }
 

@@ -10,10 +10,9 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
-wit_bindgen::generate!({ path: "../../wit", world: "source-plugin" });
-
-use exports::sluice::plugin::source::{ChangeStream, Guest, GuestChangeStream, ResumePoint};
-use sluice::plugin::types::{Begin, Commit, Insert, KeyType, Message, PluginError, Relation, Value};
+use sluice_plugin_sdk::types::{Begin, Commit, Insert, KeyType, Message, PluginError, Relation, Value};
+use sluice_plugin_sdk::watermark::{from_lexi, to_lexi};
+use sluice_plugin_sdk::{Resume, Source};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -59,13 +58,13 @@ impl Default for Config {
     }
 }
 
-/// Zero's LexiVersion of a transaction number (see `sluice-watermark`).
+/// Zero's LexiVersion of a transaction number.
 fn lexi(n: u64) -> String {
-    sluice_watermark::to_lexi(n.into())
+    to_lexi(n.into())
 }
 
 fn unlexi(s: &str) -> Option<u64> {
-    sluice_watermark::from_lexi(s).and_then(|n| u64::try_from(n).ok())
+    from_lexi(s).and_then(|n| u64::try_from(n).ok())
 }
 
 /// splitmix64: a tiny, well-distributed generator for deterministic payloads.
@@ -74,50 +73,6 @@ fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
-}
-
-struct Component;
-
-impl Guest for Component {
-    type ChangeStream = MockStream;
-
-    fn open(config: String, resume: Option<ResumePoint>) -> Result<ChangeStream, PluginError> {
-        let resume_after = resume.map(|r| r.watermark);
-        let config: Config = if config.trim().is_empty() {
-            Config::default()
-        } else {
-            serde_json::from_str(&config).map_err(|e| PluginError::InvalidConfig(format!("mock-source config: {e}")))?
-        };
-        if config.tables == 0 {
-            return Err(PluginError::InvalidConfig("mock-source config: tables must be at least 1".into()));
-        }
-        let next_tx = match resume_after.as_deref() {
-            None => 1,
-            Some(w) if w == config.replica_version => 1,
-            Some(w) => {
-                unlexi(w).ok_or_else(|| {
-                    PluginError::Fatal(format!("mock-source cannot resume after watermark {w:?}: not a LexiVersion"))
-                })? + 1
-            }
-        };
-        Ok(ChangeStream::new(MockStream {
-            state: std::cell::RefCell::new(State {
-                config,
-                next_tx,
-                emitted_in_tx: None,
-                declared: false,
-                messages_sent: 0,
-                txs_since_open: 0,
-                interrupted: false,
-                opened_at: Instant::now(),
-                first_tx: next_tx,
-            }),
-        }))
-    }
-}
-
-struct MockStream {
-    state: std::cell::RefCell<State>,
 }
 
 struct State {
@@ -250,13 +205,43 @@ impl State {
     }
 }
 
-impl GuestChangeStream for MockStream {
-    fn replica_version(&self) -> String {
-        self.state.borrow().config.replica_version.clone()
+impl Source for State {
+    fn open(config: &str, resume: Option<Resume>) -> Result<State, PluginError> {
+        let config: Config = if config.trim().is_empty() {
+            Config::default()
+        } else {
+            serde_json::from_str(config).map_err(|e| PluginError::InvalidConfig(format!("mock-source config: {e}")))?
+        };
+        if config.tables == 0 {
+            return Err(PluginError::InvalidConfig("mock-source config: tables must be at least 1".into()));
+        }
+        let next_tx = match resume {
+            None => 1,
+            Some(Resume { watermark: w, .. }) => {
+                unlexi(&w).ok_or_else(|| {
+                    PluginError::Fatal(format!("mock-source cannot resume after watermark {w:?}: not a LexiVersion"))
+                })? + 1
+            }
+        };
+        Ok(State {
+            config,
+            next_tx,
+            emitted_in_tx: None,
+            declared: false,
+            messages_sent: 0,
+            txs_since_open: 0,
+            interrupted: false,
+            opened_at: Instant::now(),
+            first_tx: next_tx,
+        })
     }
 
-    fn next_batch(&self, max: u32) -> Result<Vec<Message>, PluginError> {
-        let mut st = self.state.borrow_mut();
+    fn replica_version(&self) -> String {
+        self.config.replica_version.clone()
+    }
+
+    fn next_batch(&mut self, max: u32) -> Result<Vec<Message>, PluginError> {
+        let st = self;
         let mut out = Vec::new();
         if !st.declared {
             for t in 0..st.config.tables {
@@ -295,15 +280,11 @@ impl GuestChangeStream for MockStream {
                 if !out.is_empty() {
                     break;
                 }
-                {
-                    {
-                        st.interrupted = true;
-                        return Err(PluginError::Transient(format!(
-                            "mock-source: injected interruption inside transaction {}",
-                            lexi(tx)
-                        )));
-                    }
-                }
+                st.interrupted = true;
+                return Err(PluginError::Transient(format!(
+                    "mock-source: injected interruption inside transaction {}",
+                    lexi(tx)
+                )));
             }
             out.push(st.message_at(tx, k));
             st.messages_sent += 1;
@@ -322,9 +303,9 @@ impl GuestChangeStream for MockStream {
         Ok(out)
     }
 
-    fn ack(&self, _watermark: String) -> Result<(), PluginError> {
+    fn ack(&mut self, _watermark: &str) -> Result<(), PluginError> {
         Ok(())
     }
 }
 
-export!(Component);
+sluice_plugin_sdk::export_source!(State);

@@ -1,4 +1,4 @@
 //! table-filter: include or exclude tables by `schema.table` glob patterns
 //! (the logic is `filter_kit::table`).
 
-filter_kit::export_filter!(filter_kit::table::TableFilter);
+sluice_plugin_sdk::export_filter!(filter_kit::table::TableFilter);

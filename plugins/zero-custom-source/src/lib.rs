@@ -25,21 +25,18 @@
 //! ack), it closes that connection and resumes on a new one. Servers that do
 //! stream on the first connection resend those transactions on the second.
 
-use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 use tungstenite::http::Uri;
 
-wit_bindgen::generate!({ path: "../../wit", world: "source-plugin" });
-
 mod protocol;
 mod socket;
 
-use exports::sluice::plugin::source::{ChangeStream, Guest, GuestChangeStream, ResumePoint};
 use protocol::{Converter, FrameError, Kind};
-use sluice::plugin::types::{Message, PluginError};
+use sluice_plugin_sdk::types::{Message, PluginError};
+use sluice_plugin_sdk::{Resume, Source};
 use socket::{Frame, Socket};
 
 /// The path zero-cache's custom change sources serve.
@@ -145,54 +142,6 @@ pub struct Endpoint {
     pub port: u16,
 }
 
-struct Component;
-
-impl Guest for Component {
-    type ChangeStream = CustomStream;
-
-    fn open(config: String, resume: Option<ResumePoint>) -> Result<ChangeStream, PluginError> {
-        let config = Config::parse(&config)?;
-        // The log holds nothing beyond the replica version: the snapshot was
-        // never stored, so start over.
-        let resume = resume.filter(|r| sluice_watermark::resumes(&r.watermark, &r.replica_version));
-        let upstream_resume = resume.as_ref().map(|r| {
-            let snapshot = format!("{}{SNAPSHOT_SUFFIX}", r.replica_version);
-            let last = if r.watermark == snapshot { r.replica_version.as_str() } else { r.watermark.as_str() };
-            (last, r.replica_version.as_str())
-        });
-        let url = config.stream_url(upstream_resume)?;
-        let socket = Socket::connect(
-            &url,
-            Duration::from_millis(config.connect_timeout_ms),
-            Duration::from_millis(config.ping_interval_ms),
-        )
-        .map_err(|e| PluginError::Transient(format!("cannot reach the upstream at {}: {e}", config.url)))?;
-        let mut stream = Stream {
-            config,
-            socket,
-            convert: Converter::default(),
-            replica_version: resume.as_ref().map(|r| r.replica_version.clone()).unwrap_or_default(),
-            awaiting_snapshot: resume.is_none(),
-            snapshot_label: None,
-            in_snapshot: false,
-            open_tx: None,
-            last_commit: None,
-            last_status: None,
-            echo: VecDeque::new(),
-            skip_ack: VecDeque::new(),
-            ready: Vec::new(),
-            deferred: None,
-            handoff: Handoff::None,
-        };
-        if stream.awaiting_snapshot {
-            stream.await_snapshot(Duration::from_millis(stream.config.snapshot_wait_ms))?;
-        }
-        Ok(ChangeStream::new(CustomStream(RefCell::new(stream))))
-    }
-}
-
-pub struct CustomStream(RefCell<Stream>);
-
 struct Stream {
     config: Config,
     socket: Socket,
@@ -266,32 +215,6 @@ impl Stream {
         }
         self.ready = out;
         Ok(())
-    }
-
-    fn next_batch(&mut self, max: u32) -> Result<Vec<Message>, PluginError> {
-        if let Some(e) = self.deferred.take() {
-            return Err(e);
-        }
-        if self.handoff == Handoff::Resume {
-            self.resume_after_snapshot()?;
-        }
-        let max = max.max(1) as usize;
-        let mut out = std::mem::take(&mut self.ready);
-        while out.len() < max && self.handoff == Handoff::None {
-            // Wait only while the batch is empty; once it has something,
-            // take what has arrived and hand it over.
-            let frame = match self.socket.read(out.is_empty()) {
-                Ok(Frame::Text(f)) => f,
-                Ok(Frame::Idle) => break,
-                Err(e) => return self.fail(out, PluginError::Transient(e)),
-            };
-            let before = out.len();
-            if let Err(e) = self.handle(frame.as_str(), &mut out) {
-                out.truncate(before);
-                return self.fail(out, e);
-            }
-        }
-        Ok(out)
     }
 
     /// Closes the initial connection and continues on a new one after the
@@ -388,7 +311,7 @@ impl Stream {
                     if ack {
                         self.echo.push_back(watermark.clone());
                     }
-                    out.push(Message::Status(sluice::plugin::types::Status { watermark: watermark.clone(), ack }));
+                    out.push(Message::Status(sluice_plugin_sdk::types::Status { watermark: watermark.clone(), ack }));
                 }
                 self.last_status = Some(watermark);
             }
@@ -402,28 +325,6 @@ impl Stream {
             }
         }
         Ok(())
-    }
-
-    /// The host made everything through `watermark` durable (or asks to
-    /// echo a status): tell the upstream as zero-cache would.
-    fn ack(&mut self, watermark: &str) -> Result<(), PluginError> {
-        let echoed = self.echo.iter().any(|w| w == watermark);
-        self.echo.retain(|w| w.as_str() > watermark);
-        let skipped = self.skip_ack.iter().any(|w| w == watermark);
-        self.skip_ack.retain(|w| w.as_str() > watermark);
-        let snapshot = self.snapshot_label.as_ref().is_some_and(|(_, label)| label == watermark);
-        if snapshot && self.handoff == Handoff::AwaitingDurable {
-            self.handoff = Handoff::Resume;
-        }
-        let frame = if echoed {
-            format!("[\"status\",{{\"ack\":true}},{{\"watermark\":{}}}]", json_string(watermark))
-        } else if skipped || snapshot {
-            // zero-cache never acks a skipAck transaction nor the initial sync.
-            return Ok(());
-        } else {
-            format!("[\"status\",{{\"tag\":\"commit\"}},{{\"watermark\":{}}}]", json_string(watermark))
-        };
-        self.socket.send(frame).map_err(PluginError::Transient)
     }
 }
 
@@ -451,18 +352,95 @@ fn json_string(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
 }
 
-impl GuestChangeStream for CustomStream {
+impl Source for Stream {
+    fn open(config: &str, resume: Option<Resume>) -> Result<Stream, PluginError> {
+        let config = Config::parse(config)?;
+        let upstream_resume = resume.as_ref().map(|r| {
+            let snapshot = format!("{}{SNAPSHOT_SUFFIX}", r.replica_version);
+            let last = if r.watermark == snapshot { r.replica_version.as_str() } else { r.watermark.as_str() };
+            (last, r.replica_version.as_str())
+        });
+        let url = config.stream_url(upstream_resume)?;
+        let socket = Socket::connect(
+            &url,
+            Duration::from_millis(config.connect_timeout_ms),
+            Duration::from_millis(config.ping_interval_ms),
+        )
+        .map_err(|e| PluginError::Transient(format!("cannot reach the upstream at {}: {e}", config.url)))?;
+        let mut stream = Stream {
+            config,
+            socket,
+            convert: Converter::default(),
+            replica_version: resume.as_ref().map(|r| r.replica_version.clone()).unwrap_or_default(),
+            awaiting_snapshot: resume.is_none(),
+            snapshot_label: None,
+            in_snapshot: false,
+            open_tx: None,
+            last_commit: None,
+            last_status: None,
+            echo: VecDeque::new(),
+            skip_ack: VecDeque::new(),
+            ready: Vec::new(),
+            deferred: None,
+            handoff: Handoff::None,
+        };
+        if stream.awaiting_snapshot {
+            stream.await_snapshot(Duration::from_millis(stream.config.snapshot_wait_ms))?;
+        }
+        Ok(stream)
+    }
+
     fn replica_version(&self) -> String {
-        self.0.borrow().replica_version.clone()
+        self.replica_version.clone()
     }
 
-    fn next_batch(&self, max: u32) -> Result<Vec<Message>, PluginError> {
-        self.0.borrow_mut().next_batch(max)
+    fn next_batch(&mut self, max: u32) -> Result<Vec<Message>, PluginError> {
+        if let Some(e) = self.deferred.take() {
+            return Err(e);
+        }
+        if self.handoff == Handoff::Resume {
+            self.resume_after_snapshot()?;
+        }
+        let max = max.max(1) as usize;
+        let mut out = std::mem::take(&mut self.ready);
+        while out.len() < max && self.handoff == Handoff::None {
+            // Wait only while the batch is empty; once it has something,
+            // take what has arrived and hand it over.
+            let frame = match self.socket.read(out.is_empty()) {
+                Ok(Frame::Text(f)) => f,
+                Ok(Frame::Idle) => break,
+                Err(e) => return self.fail(out, PluginError::Transient(e)),
+            };
+            let before = out.len();
+            if let Err(e) = self.handle(frame.as_str(), &mut out) {
+                out.truncate(before);
+                return self.fail(out, e);
+            }
+        }
+        Ok(out)
     }
 
-    fn ack(&self, watermark: String) -> Result<(), PluginError> {
-        self.0.borrow_mut().ack(&watermark)
+    /// The host made everything through `watermark` durable (or asks to
+    /// echo a status): tell the upstream as zero-cache would.
+    fn ack(&mut self, watermark: &str) -> Result<(), PluginError> {
+        let echoed = self.echo.iter().any(|w| w == watermark);
+        self.echo.retain(|w| w.as_str() > watermark);
+        let skipped = self.skip_ack.iter().any(|w| w == watermark);
+        self.skip_ack.retain(|w| w.as_str() > watermark);
+        let snapshot = self.snapshot_label.as_ref().is_some_and(|(_, label)| label == watermark);
+        if snapshot && self.handoff == Handoff::AwaitingDurable {
+            self.handoff = Handoff::Resume;
+        }
+        let frame = if echoed {
+            format!("[\"status\",{{\"ack\":true}},{{\"watermark\":{}}}]", json_string(watermark))
+        } else if skipped || snapshot {
+            // zero-cache never acks a skipAck transaction nor the initial sync.
+            return Ok(());
+        } else {
+            format!("[\"status\",{{\"tag\":\"commit\"}},{{\"watermark\":{}}}]", json_string(watermark))
+        };
+        self.socket.send(frame).map_err(PluginError::Transient)
     }
 }
 
-export!(Component);
+sluice_plugin_sdk::export_source!(Stream);

@@ -17,7 +17,7 @@ use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::sluice::plugin::types::{
+use sluice_plugin_sdk::types::{
     AddColumn, Begin, ColumnSpec, Commit, Control, CreateTable, Delete, DropColumn, IndexSpec, Insert, KeyType,
     Message, Relation, RenameTable, SchemaChange, SortOrder, TableName, TableSpec, Truncate, Update, UpdateColumn,
     UpdateTableMetadata, Value,
@@ -296,6 +296,9 @@ fn schema_change(b: &Body) -> Result<SchemaChange, FrameError> {
         let raw = f.ok_or_else(|| bad(format!("{tag} without `{name}`")))?;
         serde_json::from_str(raw.get()).map_err(|e| json_err(&format!("{tag} {name}"), e))
     }
+    fn id(tag: &str, name: &str, f: Option<&RawValue>) -> Result<TableName, FrameError> {
+        parse::<TableId>(tag, name, f).map(|id| TableName { schema: id.schema, name: id.name })
+    }
     let unsupported_backfill = |f: Option<&RawValue>| -> Result<(), FrameError> {
         match f.map(|r| r.get()) {
             None | Some("null") | Some("{}") => Ok(()),
@@ -320,10 +323,10 @@ fn schema_change(b: &Body) -> Result<SchemaChange, FrameError> {
             })
         }
         "rename-table" => {
-            SchemaChange::RenameTable(RenameTable { old: parse(tag, "old", b.old)?, new: parse(tag, "new", b.new)? })
+            SchemaChange::RenameTable(RenameTable { old: id(tag, "old", b.old)?, new: id(tag, "new", b.new)? })
         }
         "update-table-metadata" => SchemaChange::UpdateTableMetadata(UpdateTableMetadata {
-            table: parse(tag, "table", b.table)?,
+            table: id(tag, "table", b.table)?,
             old: field(b.old, "old")?,
             new: field(b.new, "new")?,
         }),
@@ -331,7 +334,7 @@ fn schema_change(b: &Body) -> Result<SchemaChange, FrameError> {
             unsupported_backfill(b.backfill)?;
             let column: NamedColumn = parse(tag, "column", b.column)?;
             SchemaChange::AddColumn(AddColumn {
-                table: parse(tag, "table", b.table)?,
+                table: id(tag, "table", b.table)?,
                 column: column.spec.into_wit(column.name),
                 table_metadata: b.table_metadata.map(|m| m.get().to_string()),
             })
@@ -340,16 +343,16 @@ fn schema_change(b: &Body) -> Result<SchemaChange, FrameError> {
             let old: NamedColumn = parse(tag, "old", b.old)?;
             let new: NamedColumn = parse(tag, "new", b.new)?;
             SchemaChange::UpdateColumn(UpdateColumn {
-                table: parse(tag, "table", b.table)?,
+                table: id(tag, "table", b.table)?,
                 old: old.spec.into_wit(old.name),
                 new: new.spec.into_wit(new.name),
             })
         }
         "drop-column" => SchemaChange::DropColumn(DropColumn {
-            table: parse(tag, "table", b.table)?,
+            table: id(tag, "table", b.table)?,
             column: parse(tag, "column", b.column)?,
         }),
-        "drop-table" => SchemaChange::DropTable(parse(tag, "id", b.id)?),
+        "drop-table" => SchemaChange::DropTable(id(tag, "id", b.id)?),
         "create-index" => {
             let ix: IndexSpecJson = parse(tag, "spec", b.spec)?;
             let mut columns = Vec::with_capacity(ix.columns.0.len());
@@ -369,7 +372,7 @@ fn schema_change(b: &Body) -> Result<SchemaChange, FrameError> {
                 columns,
             })
         }
-        "drop-index" => SchemaChange::DropIndex(parse(tag, "id", b.id)?),
+        "drop-index" => SchemaChange::DropIndex(id(tag, "id", b.id)?),
         other => return Err(bad(format!("unknown data change {other:?}"))),
     })
 }
@@ -489,16 +492,11 @@ struct IndexSpecJson {
     columns: Ordered<String>,
 }
 
-impl<'de> Deserialize<'de> for TableName {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        struct Id {
-            schema: String,
-            name: String,
-        }
-        let id = Id::deserialize(d)?;
-        Ok(TableName { schema: id.schema, name: id.name })
-    }
+/// `{"schema":..,"name":..}`: a table's (or an index's) name.
+#[derive(Deserialize)]
+struct TableId {
+    schema: String,
+    name: String,
 }
 
 /// A JSON object's entries in document order (column order matters).

@@ -35,25 +35,7 @@ pub enum Frame {
 impl Socket {
     /// Connects and completes the WebSocket handshake within `timeout`.
     pub fn connect(endpoint: &crate::Endpoint, timeout: Duration, ping_every: Duration) -> Result<Socket, String> {
-        let (host, port) = (endpoint.host.as_str(), endpoint.port);
-        let addrs: Vec<_> = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
-            .map_err(|e| format!("cannot resolve {host}:{port}: {e}"))?
-            .collect();
-        let mut last = format!("{host}:{port} resolves to no address");
-        let mut stream = None;
-        for addr in addrs {
-            match TcpStream::connect_timeout(&addr, timeout) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = format!("cannot connect to {addr}: {e}"),
-            }
-        }
-        let stream = stream.ok_or(last)?;
-        let _ = stream.set_nodelay(true);
-        stream.set_read_timeout(Some(timeout)).map_err(|e| format!("setting a read timeout: {e}"))?;
-        stream.set_write_timeout(Some(timeout)).map_err(|e| format!("setting a write timeout: {e}"))?;
+        let stream = sluice_plugin_sdk::net::connect(&endpoint.host, endpoint.port, timeout)?;
         let config = WebSocketConfig::default();
         let (ws, _response) = tungstenite::client::client_with_config(endpoint.url.as_str(), stream, Some(config))
             .map_err(|e| match e {

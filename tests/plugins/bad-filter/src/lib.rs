@@ -10,10 +10,12 @@ use std::cell::Cell;
 
 use serde::Deserialize;
 
-wit_bindgen::generate!({ path: "../../../wit", world: "filter-plugin" });
-
-use exports::sluice::plugin::filter::{Batch, ChangeFilter, Decision, Guest, GuestChangeFilter, TablePolicy};
-use sluice::plugin::types::PluginError;
+// The raw world, not `export_filter!`: this filter breaks the contract in
+// ways the SDK would not let it.
+use sluice_plugin_sdk::filter_world::exports::sluice::plugin::filter::{
+    Batch, ChangeFilter, Decision, Guest, GuestChangeFilter, TablePolicy,
+};
+use sluice_plugin_sdk::types::PluginError;
 
 #[derive(Deserialize)]
 struct Config {
@@ -76,4 +78,4 @@ impl GuestChangeFilter for Bad {
     }
 }
 
-export!(Component);
+sluice_plugin_sdk::filter_world::export_filter_world!(Component with_types_in sluice_plugin_sdk::filter_world);

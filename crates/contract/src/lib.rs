@@ -1,0 +1,41 @@
+//! The contract at the bottom of Sluice: `wit/sluice.wit` as host-side Rust.
+//!
+//! [`model`] is the change model (transactions, rows, schema changes) that
+//! every source produces, whether it is a WebAssembly plugin or native code
+//! like the Postgres source; everything downstream of a source speaks it.
+//! [`source_world`] and [`filter_world`] are the worlds the plugin host
+//! instantiates. Generating the bindings here, once, keeps the host's core
+//! modules from depending on the plugin host, and keeps the macro expansion
+//! out of the host crate's incremental builds.
+
+/// The source world (`source-plugin`), which also generates the shared
+/// `sluice:plugin/types` interface.
+pub mod source_world {
+    wasmtime::component::bindgen!({
+        path: "../../wit",
+        world: "source-plugin",
+        exports: { default: async },
+    });
+}
+
+/// The filter world (`filter-plugin`), sharing the types generated above.
+pub mod filter_world {
+    wasmtime::component::bindgen!({
+        path: "../../wit",
+        world: "filter-plugin",
+        exports: { default: async },
+        with: { "sluice:plugin/types": crate::source_world::sluice::plugin::types },
+    });
+}
+
+/// The change model: what a source produces, one [`model::Message`] at a time.
+pub use source_world::sluice::plugin::types as model;
+
+/// What a filter plugin is asked and answers.
+pub mod filter {
+    pub use crate::filter_world::exports::sluice::plugin::filter::{Batch, Decision, TablePolicy};
+}
+
+/// The WIT package this contract is, and its version.
+pub const WIT_PACKAGE: &str = "sluice:plugin";
+pub const WIT_VERSION: (u64, u64) = (0, 3);
