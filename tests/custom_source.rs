@@ -10,14 +10,14 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::restartable::{Restartable, SourceFactory};
 use common::ws::Client;
 use common::*;
 use custom_upstream::{column, event, insert, param, query_params, relation, snapshot, Fault, Tx, Upstream, SNAPSHOT};
 use serde_json::{json, Value};
 use sluice::plugin::{NetGrant, Registry, SandboxLimits};
-use sluice::service::{Service, ServiceConfig};
 use sluice::source::ChangeSource;
-use sluice::status::{SourceState, Status};
+use sluice::streamer::StreamerOptions;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -25,64 +25,22 @@ fn wm(i: u32) -> String {
     format!("1{i:04}")
 }
 
-/// Sluice in-process: the streamer on the plugin, a SQLite change log, the
-/// subscriber endpoint. Restartable over the same change log.
-struct Sluice {
-    dir: tempfile::TempDir,
-    addr: String,
-    status: Arc<Status>,
-    registry: Arc<Registry>,
-    config: String,
-    grant: NetGrant,
-    service: Service,
+/// Sluice with the zero-custom-source plugin over a SQLite change log,
+/// restartable (see [`Restartable`]).
+async fn start_sluice(config: Value) -> Restartable {
+    let config = config.to_string();
+    let endpoints = sluice::plugin::net::config_endpoints(&config).unwrap();
+    start_sluice_with_grant(config, sluice::plugin::net::resolve(&endpoints).unwrap()).await
 }
 
-impl Sluice {
-    async fn start(config: Value) -> Sluice {
-        let config = config.to_string();
-        let endpoints = sluice::plugin::net::config_endpoints(&config).unwrap();
-        Sluice::start_with_grant(config, sluice::plugin::net::resolve(&endpoints).unwrap()).await
-    }
-
-    async fn start_with_grant(config: String, grant: NetGrant) -> Sluice {
-        let dir = tempfile::tempdir().unwrap();
-        let registry = Arc::new(Registry::load(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap());
-        let source = source(&registry, &config, &grant).await;
-        let (log, reader) = LogSpec::new(Backend::Sqlite, dir.path()).open();
-        let service =
-            Service::start(ServiceConfig { cleanup: None, ..ServiceConfig::new(source, log, reader) }).await.unwrap();
-        let (addr, status) = (service.addr().to_string(), service.status().clone());
-        Sluice { dir, addr, status, registry, config, grant, service }
-    }
-
-    /// Stops the replication loop and starts it again on a new instance of
-    /// the plugin; the endpoint and its subscribers stay.
-    async fn restart(&mut self) {
-        self.service.stop_replication().await.unwrap();
-        let (log, _) = LogSpec::new(Backend::Sqlite, self.dir.path()).open();
-        let source = source(&self.registry, &self.config, &self.grant).await;
-        self.service.start_replication(source, log).unwrap();
-    }
-
-    async fn stored(&self, w: &str) {
-        wait_stored(&self.status, w).await;
-    }
-
-    /// Waits for the source to be backing off with an error containing `text`.
-    async fn backing_off_with(&self, text: &str) -> String {
-        let st = self.status.clone();
-        let text = text.to_string();
-        wait_until(&format!("a back-off naming {text:?}"), WAIT, || {
-            let s = st.snapshot();
-            let text = text.clone();
-            async move { matches!(&s.source, SourceState::BackingOff { last_error, .. } if last_error.contains(&text)) }
-        })
-        .await;
-        match self.status.snapshot().source {
-            SourceState::BackingOff { last_error, .. } => last_error,
-            _ => unreachable!(),
-        }
-    }
+async fn start_sluice_with_grant(config: String, grant: NetGrant) -> Restartable {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Arc::new(Registry::load(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap());
+    let source: SourceFactory = Box::new(move || {
+        let (registry, config, grant) = (registry.clone(), config.clone(), grant.clone());
+        Box::pin(async move { source(&registry, &config, &grant).await })
+    });
+    Restartable::start(dir, StreamerOptions::default(), source).await
 }
 
 async fn source(registry: &Registry, config: &str, grant: &NetGrant) -> Box<dyn ChangeSource> {
@@ -192,7 +150,7 @@ async fn snapshot_then_every_message_and_tag_converted() {
     for tx in &history {
         up.append(tx.clone());
     }
-    let sluice = Sluice::start(config(&up)).await;
+    let sluice = start_sluice(config(&up)).await;
     sluice.stored(&wm(4)).await;
     assert_eq!(sluice.status.snapshot().replica_version.as_deref(), Some(SNAPSHOT));
 
@@ -275,7 +233,7 @@ async fn upstream_receives(up: &Upstream, frame: Value) {
 async fn statuses_are_echoed_and_skip_ack_transactions_are_not_acked() {
     init_logs();
     let up = Upstream::start(snapshot(1)).await;
-    let sluice = Sluice::start(config(&up)).await;
+    let sluice = start_sluice(config(&up)).await;
     up.append(Tx::new(&wm(1), &[event(1)]));
     upstream_receives(&up, json!(["status", {"tag": "commit"}, {"watermark": wm(1)}])).await;
     // A status asking for an ack is echoed once every commit before it is durable.
@@ -306,7 +264,7 @@ async fn a_zero_cache_style_upstream_is_resumed_after_the_snapshot() {
     for tx in &history {
         up.append(tx.clone());
     }
-    let sluice = Sluice::start(config(&up)).await;
+    let sluice = start_sluice(config(&up)).await;
     sluice.stored(&wm(3)).await;
     let conns = up.connections();
     assert_eq!(conns.len(), 2, "{conns:?}");
@@ -326,7 +284,7 @@ async fn a_zero_cache_style_upstream_is_resumed_after_the_snapshot() {
 async fn a_cut_inside_a_transaction_is_rolled_back_and_delivered_whole_later() {
     init_logs();
     let up = Upstream::start(snapshot(2)).await;
-    let sluice = Sluice::start(config(&up)).await;
+    let sluice = start_sluice(config(&up)).await;
     sluice.stored(&format!("{SNAPSHOT}.01")).await;
     streaming(&up).await;
     let mut client = Client::subscribe_at(&sluice.addr, SNAPSHOT, SNAPSHOT).await;
@@ -355,7 +313,7 @@ async fn a_cut_inside_a_transaction_is_rolled_back_and_delivered_whole_later() {
 async fn a_restart_resumes_with_last_watermark_and_replica_version() {
     init_logs();
     let up = Upstream::start(snapshot(2)).await;
-    let mut sluice = Sluice::start(config(&up)).await;
+    let mut sluice = start_sluice(config(&up)).await;
     sluice.stored(&format!("{SNAPSHOT}.01")).await;
     // Restart with only the snapshot stored: the upstream is asked for what
     // follows the snapshot's own watermark.
@@ -393,7 +351,7 @@ async fn a_restart_resumes_with_last_watermark_and_replica_version() {
 async fn malformed_and_out_of_order_frames_are_named_and_the_stream_recovers() {
     init_logs();
     let up = Upstream::start(snapshot(1)).await;
-    let sluice = Sluice::start(config(&up)).await;
+    let sluice = start_sluice(config(&up)).await;
     sluice.stored(&format!("{SNAPSHOT}.01")).await;
     streaming(&up).await;
     let mut client = Client::subscribe_at(&sluice.addr, SNAPSHOT, SNAPSHOT).await;
@@ -419,7 +377,7 @@ async fn a_silent_upstream_is_told_apart_by_pings_and_left() {
     let up = Upstream::start(snapshot(1)).await;
     let mut cfg = config(&up);
     cfg["pingIntervalMs"] = json!(300);
-    let sluice = Sluice::start(cfg).await;
+    let sluice = start_sluice(cfg).await;
     streaming(&up).await;
     let history: Vec<Tx> = (1..=2).map(|i| Tx::new(&wm(i), &[event(i as i64)])).collect();
     up.fault(Fault::StallBefore(wm(2)));
@@ -439,7 +397,7 @@ async fn an_unreachable_upstream_is_retried_until_it_comes_up() {
     // A port nothing listens on yet.
     let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let cfg = json!({"url": format!("http://{addr}/changes/v0/stream"), "appID": "zero"});
-    let sluice = Sluice::start(cfg).await;
+    let sluice = start_sluice(cfg).await;
     let err = sluice.backing_off_with("cannot reach the upstream").await;
     assert!(err.contains(&addr.to_string()), "{err}");
     let up = Upstream::start_on(addr, snapshot(2)).await;
@@ -452,7 +410,7 @@ async fn an_unreachable_upstream_is_retried_until_it_comes_up() {
 async fn without_a_network_grant_the_plugin_reaches_nothing() {
     init_logs();
     let up = Upstream::start(snapshot(1)).await;
-    let sluice = Sluice::start_with_grant(config(&up).to_string(), NetGrant::default()).await;
+    let sluice = start_sluice_with_grant(config(&up).to_string(), NetGrant::default()).await;
     let err = sluice.backing_off_with("cannot reach the upstream").await;
     assert!(err.to_lowercase().contains("permission denied"), "{err}");
     assert!(up.connections().is_empty());

@@ -16,79 +16,26 @@ use std::time::Duration;
 
 use common::mariadb::{self, Maria};
 use common::replica::Replica;
+use common::restartable::{Restartable, SourceFactory};
 use common::*;
 use serde_json::{json, Value};
 use sluice::plugin::{Registry, SandboxLimits};
-use sluice::service::{Service, ServiceConfig};
 use sluice::source::ChangeSource;
-use sluice::status::Status;
+use sluice::streamer::StreamerOptions;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// Sluice with the mariadb-source plugin, a SQLite change log and a
-/// WebSocket endpoint; restartable over the same log.
-struct Sluice {
-    dir: tempfile::TempDir,
-    addr: String,
-    status: Arc<Status>,
-    registry: Arc<Registry>,
-    config: String,
-    service: Service,
-}
-
-impl Sluice {
-    async fn start(config: Value) -> Sluice {
-        let dir = tempfile::tempdir().unwrap();
-        let registry = Arc::new(Registry::load(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap());
-        let config = config.to_string();
-        let (log, reader) = LogSpec::new(Backend::Sqlite, dir.path()).open();
-        let source = source(&registry, &config).await;
-        let service =
-            Service::start(ServiceConfig { cleanup: None, ..ServiceConfig::new(source, log, reader) }).await.unwrap();
-        let (addr, status) = (service.addr().to_string(), service.status().clone());
-        Sluice { dir, addr, status, registry, config, service }
-    }
-
-    fn spec(&self) -> LogSpec {
-        LogSpec::new(Backend::Sqlite, self.dir.path())
-    }
-
-    /// Starts the replication loop again (after [`Sluice::stop`]) on a new
-    /// instance of the plugin; the endpoint and its subscribers stay.
-    async fn run(&mut self) {
-        let (log, _) = self.spec().open();
-        let source = source(&self.registry, &self.config).await;
-        self.service.start_replication(source, log).unwrap();
-    }
-
-    async fn stop(&mut self) {
-        self.service.stop_replication().await.unwrap();
-    }
-
-    async fn restart(&mut self) {
-        self.stop().await;
-        self.run().await;
-    }
-
-    async fn replica_version(&self) -> String {
-        common::replica::replica_version(&self.status, WAIT).await
-    }
-
-    /// A subscriber from the replica version, applying to a [`Replica`].
-    async fn subscribe(&self) -> Arc<Mutex<Replica>> {
-        common::replica::follow(&self.addr, &self.replica_version().await).await
-    }
-
-    /// Waits until the upstream required a reset; returns the reason.
-    async fn wait_for_reset(&self) -> String {
-        let st = self.status.clone();
-        wait_until("reset required", WAIT, || {
-            let s = st.snapshot();
-            async move { s.reset_required }
-        })
-        .await;
-        self.status.snapshot().reset_reason.unwrap_or_default()
-    }
+/// Sluice with the mariadb-source plugin over a SQLite change log,
+/// restartable (see [`Restartable`]).
+async fn start_sluice(config: Value) -> Restartable {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Arc::new(Registry::load(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap());
+    let config = config.to_string();
+    let source: SourceFactory = Box::new(move || {
+        let (registry, config) = (registry.clone(), config.clone());
+        Box::pin(async move { source(&registry, &config).await })
+    });
+    Restartable::start(dir, StreamerOptions::default(), source).await
 }
 
 /// An instance of the mariadb-source plugin, allowed to reach the server
@@ -127,7 +74,7 @@ async fn snapshot_then_every_kind_of_row_change() {
          INSERT INTO msrc_rows.items VALUES (1, 'one', 10), (2, 'two', 20), (3, 'three', 30);
          INSERT INTO msrc_rows.kv VALUES ('a', 1)",
     );
-    let sluice = Sluice::start(m.config(&["msrc_rows"])).await;
+    let sluice = start_sluice(m.config(&["msrc_rows"])).await;
     let replica = sluice.subscribe().await;
     let items: (&str, &[&str]) = ("msrc_rows.items", &["id", "name", "n"]);
     let kv: (&str, &[&str]) = ("msrc_rows.kv", &["k", "v"]);
@@ -187,7 +134,7 @@ async fn values_of_every_type_are_the_same_from_the_snapshot_and_the_binlog() {
          x'0102', x'00ff', 'héllo wörld ✓', x'deadbeef', 'long text', 'green', 'a,c', '{\"k\": [1, 2]}', \
          b'101010101010', NULL";
     m.sql(&format!("CREATE TABLE msrc_types.t ({columns}); INSERT INTO msrc_types.t VALUES (1, {values})"));
-    let sluice = Sluice::start(m.config(&["msrc_types"])).await;
+    let sluice = start_sluice(m.config(&["msrc_types"])).await;
     let replica = sluice.subscribe().await;
     m.sql(&format!(
         "INSERT INTO msrc_types.t VALUES (2, {values}); INSERT INTO msrc_types.t (id, nul) VALUES (3, 7); \
@@ -253,7 +200,7 @@ async fn ddl_in_the_middle_of_the_stream_becomes_schema_changes() {
     let m = mariadb::shared();
     m.database("msrc_ddl");
     m.sql("CREATE TABLE msrc_ddl.t (id int PRIMARY KEY, a varchar(10)); INSERT INTO msrc_ddl.t VALUES (1, 'x')");
-    let sluice = Sluice::start(m.config(&["msrc_ddl"])).await;
+    let sluice = start_sluice(m.config(&["msrc_ddl"])).await;
     let replica = sluice.subscribe().await;
     converge(&m, &replica, &[("msrc_ddl.t", &["id", "a"])]).await;
     m.sql(
@@ -319,7 +266,7 @@ async fn restarts_of_sluice_and_of_the_server_lose_and_duplicate_nothing() {
     ));
     let mut config = m.config(&["msrc_restart"]);
     config["snapshot_batch_rows"] = json!(500);
-    let mut sluice = Sluice::start(config).await;
+    let mut sluice = start_sluice(config).await;
     let replica = sluice.subscribe().await;
     converge(m, &replica, &[("msrc_restart.events", &["id", "at"])]).await;
     // Sluice restarted in the middle of a stream of small transactions.
@@ -385,7 +332,7 @@ async fn a_server_that_stops_answering_is_told_apart_from_a_quiet_one() {
     let m = &server.maria;
     m.database("msrc_quiet");
     m.sql("CREATE TABLE msrc_quiet.t (id int PRIMARY KEY); INSERT INTO msrc_quiet.t VALUES (1)");
-    let sluice = Sluice::start(m.config(&["msrc_quiet"])).await;
+    let sluice = start_sluice(m.config(&["msrc_quiet"])).await;
     let replica = sluice.subscribe().await;
     converge(m, &replica, &[("msrc_quiet.t", &["id"])]).await;
     // Quiet for several heartbeat periods (500 ms): still running.
@@ -418,10 +365,10 @@ async fn a_purged_binlog_requires_a_reset_with_the_reason() {
     let m = &server.maria;
     m.database("msrc_purge");
     m.sql("CREATE TABLE msrc_purge.t (id int PRIMARY KEY); INSERT INTO msrc_purge.t VALUES (1)");
-    let mut sluice = Sluice::start(m.config(&["msrc_purge"])).await;
+    let mut sluice = start_sluice(m.config(&["msrc_purge"])).await;
     let replica = sluice.subscribe().await;
     converge(m, &replica, &[("msrc_purge.t", &["id"])]).await;
-    sluice.stop().await;
+    sluice.stop().await.unwrap();
     // What Sluice has not read yet goes with the purged files.
     m.sql("INSERT INTO msrc_purge.t VALUES (2); FLUSH BINARY LOGS; INSERT INTO msrc_purge.t VALUES (3); FLUSH BINARY LOGS");
     // The server keeps a file until its binlog checkpoint has passed it:

@@ -17,11 +17,11 @@ use std::time::Duration;
 
 use common::pgserver::PgServer;
 use common::replica::{key_of, Replica};
+use common::restartable::{Restartable, SourceFactory};
 use common::*;
 use serde_json::{json, Value};
-use sluice::service::{Service, ServiceConfig};
 use sluice::source::postgres::PostgresSource;
-use sluice::status::Status;
+use sluice::source::ChangeSource;
 use sluice::streamer::StreamerOptions;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -97,84 +97,21 @@ impl Upstream {
     }
 }
 
-/// Sluice with the Postgres source, a SQLite change log and a WebSocket
-/// endpoint, which can be stopped and started again over the same log.
-struct Sluice {
-    dir: tempfile::TempDir,
-    addr: String,
-    status: Arc<Status>,
-    config: String,
-    service: Service,
+/// Sluice with the Postgres source over a SQLite change log, restartable
+/// (see [`Restartable`]).
+async fn start_sluice(config: String) -> Restartable {
+    start_sluice_with(config, false).await
 }
 
-impl Sluice {
-    async fn start(config: String) -> Sluice {
-        Self::start_with(config, false).await
-    }
-
-    async fn start_with(config: String, auto_reset: bool) -> Sluice {
-        let dir = tempfile::tempdir().unwrap();
-        let (log, reader) = LogSpec::new(Backend::Sqlite, dir.path()).open();
-        let source = Box::new(PostgresSource::new(&config).unwrap());
-        let streamer = StreamerOptions { auto_reset, ..StreamerOptions::default() };
-        let service =
-            Service::start(ServiceConfig { cleanup: None, streamer, ..ServiceConfig::new(source, log, reader) })
-                .await
-                .unwrap();
-        let (addr, status) = (service.addr().to_string(), service.status().clone());
-        Sluice { dir, addr, status, config, service }
-    }
-
-    fn spec(&self) -> LogSpec {
-        LogSpec::new(Backend::Sqlite, self.dir.path())
-    }
-
-    /// Starts the replication loop again (after [`Sluice::stop`]) on a new
-    /// source; the endpoint and its subscribers stay.
-    fn run(&mut self) {
-        let (log, _) = self.spec().open();
-        let source = PostgresSource::new(&self.config).unwrap();
-        self.service.start_replication(Box::new(source), log).unwrap();
-    }
-
-    async fn stop(&mut self) -> anyhow::Result<()> {
-        self.service.stop_replication().await
-    }
-
-    async fn restart(&mut self) {
-        self.stop().await.unwrap();
-        self.run();
-    }
-
-    async fn replica_version(&self) -> String {
-        common::replica::replica_version(&self.status, WAIT).await
-    }
-
-    /// Waits until the upstream required a reset and the change log recorded
-    /// it; returns the reason.
-    async fn wait_for_reset(&self) -> String {
-        let st = self.status.clone();
-        wait_until("reset required", WAIT, || {
-            let s = st.snapshot();
-            async move { s.reset_required }
-        })
-        .await;
-        let spec = self.spec();
-        wait_until("the change log to record the reset", WAIT, || {
-            let spec = spec.clone();
-            async move { spec.replication().await.2 }
-        })
-        .await;
-        self.status.snapshot().reset_reason.unwrap_or_default()
-    }
-
-    /// A subscriber from the replica version, applying to a [`Replica`].
-    async fn subscribe(&self) -> Arc<Mutex<Replica>> {
-        common::replica::follow(&self.addr, &self.replica_version().await).await
-    }
+async fn start_sluice_with(config: String, auto_reset: bool) -> Restartable {
+    let source: SourceFactory = Box::new(move || {
+        let source: Box<dyn ChangeSource> = Box::new(PostgresSource::new(&config).unwrap());
+        Box::pin(async move { source })
+    });
+    let options = StreamerOptions { auto_reset, ..StreamerOptions::default() };
+    Restartable::start(tempfile::tempdir().unwrap(), options, source).await
 }
 
-/// Waits until the replica's copy of each table equals the upstream's.
 async fn converge(up: &Upstream, replica: &Arc<Mutex<Replica>>, tables: &[&str]) {
     common::replica::converge(replica, tables, WAIT, |t| async move { up.rows(&t).await }).await
 }
@@ -189,7 +126,7 @@ async fn snapshot_then_every_kind_of_row_change() {
          CREATE TABLE other (id int PRIMARY KEY, label text)",
     )
     .await;
-    let sluice = Sluice::start(up.config("pgsrc_changes")).await;
+    let sluice = start_sluice(up.config("pgsrc_changes")).await;
     let replica = sluice.subscribe().await;
     // The snapshot (250 rows, in batches of 100) is the first transaction.
     converge(&up, &replica, &["public.items"]).await;
@@ -234,7 +171,7 @@ async fn values_keep_their_types_and_unchanged_toast_is_never_null() {
            0.5, 'short')",
     )
     .await;
-    let sluice = Sluice::start(up.config("pgsrc_types")).await;
+    let sluice = start_sluice(up.config("pgsrc_types")).await;
     let replica = sluice.subscribe().await;
     converge(&up, &replica, &["public.docs", "public.docs_full"]).await;
     // A TOASTed value: incompressible and far over the 2 kB threshold.
@@ -298,7 +235,7 @@ async fn large_transactions_are_streamed_and_rolled_back_work_is_never_stored() 
     init_logs();
     let up = upstream("pgsrc_streamed").await;
     up.exec("CREATE TABLE big (id int PRIMARY KEY, payload text); CREATE TABLE small (id int PRIMARY KEY)").await;
-    let sluice = Sluice::start(up.config("pgsrc_streamed")).await;
+    let sluice = start_sluice(up.config("pgsrc_streamed")).await;
     let replica = sluice.subscribe().await;
     converge(&up, &replica, &["public.big"]).await;
     let other = connect(&up.url).await;
@@ -340,7 +277,7 @@ async fn schema_changes_of_every_kind_arrive_in_their_transaction() {
     init_logs();
     let up = upstream("pgsrc_ddl").await;
     up.exec("CREATE TABLE t (id int PRIMARY KEY, a text, b int)").await;
-    let mut sluice = Sluice::start(up.config("pgsrc_ddl")).await;
+    let mut sluice = start_sluice(up.config("pgsrc_ddl")).await;
     let replica = sluice.subscribe().await;
     converge(&up, &replica, &["public.t"]).await;
     let steps = [
@@ -389,7 +326,7 @@ async fn restarting_sluice_mid_workload_loses_and_duplicates_nothing() {
              INSERT INTO counters SELECT g, 0 FROM generate_series(1, 10) g",
     )
     .await;
-    let mut sluice = Sluice::start(up.config("pgsrc_restart")).await;
+    let mut sluice = start_sluice(up.config("pgsrc_restart")).await;
     sluice.replica_version().await;
     let url = up.url.clone();
     let writer = tokio::spawn(async move {
@@ -444,7 +381,7 @@ async fn streaming_survives_the_server_restarting_and_connections_being_cut() {
     ]);
     let mut up = upstream_on(&server.url(), "pgsrc_server").await;
     up.exec("CREATE TABLE events (id int PRIMARY KEY)").await;
-    let sluice = Sluice::start(up.config("pgsrc_server")).await;
+    let sluice = start_sluice(up.config("pgsrc_server")).await;
     let replica = sluice.subscribe().await;
     converge(&up, &replica, &["public.events"]).await;
     let mut next = 0;
@@ -475,20 +412,20 @@ async fn a_lost_slot_requires_a_reset_and_auto_reset_rebuilds() {
     init_logs();
     let up = upstream("pgsrc_lost").await;
     up.exec("CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1)").await;
-    let mut sluice = Sluice::start(up.config("pgsrc_lost")).await;
+    let mut sluice = start_sluice(up.config("pgsrc_lost")).await;
     let first_rv = sluice.replica_version().await;
     let replica = sluice.subscribe().await;
     converge(&up, &replica, &["public.t"]).await;
     sluice.stop().await.unwrap();
     up.drop_slot("pgsrc_lost").await;
-    sluice.run();
+    sluice.run().await;
     sluice.wait_for_reset().await;
     sluice.stop().await.unwrap();
 
     // With auto-reset the next run takes a new slot and snapshot.
     up.exec("INSERT INTO t VALUES (2)").await;
     sluice.service.streamer_options().auto_reset = true;
-    sluice.run();
+    sluice.run().await;
     let st = sluice.status.clone();
     let old = first_rv.clone();
     wait_until("a new replica version", WAIT, || {
@@ -551,7 +488,7 @@ async fn set_up_errors_are_clear() {
     assert!(matches!(err, sluice::source::SourceError::Fatal(_)), "{err}");
     assert!(err.to_string().contains("password authentication failed"), "{err}");
     up.exec("CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1), (2)").await;
-    let sluice = Sluice::start(json!({ "url": with_user("secret"), "slot": "pgsrc_setup" }).to_string()).await;
+    let sluice = start_sluice(json!({ "url": with_user("secret"), "slot": "pgsrc_setup" }).to_string()).await;
     let replica = sluice.subscribe().await;
     converge(&up, &replica, &["public.t"]).await;
 }
@@ -576,7 +513,7 @@ async fn without_the_event_trigger_schema_changes_come_from_relation_messages() 
     let err = sluice::source::ChangeSource::open(&mut source, None).await.err().unwrap().to_string();
     assert!(err.contains("must be superuser") && err.contains("\"publications\""), "{err}");
     let config = json!({ "url": url, "slot": "pgsrc_degraded", "publications": ["mine"] }).to_string();
-    let sluice = Sluice::start(config).await;
+    let sluice = start_sluice(config).await;
     let replica = sluice.subscribe().await;
     converge(&plain, &replica, &["public.t"]).await;
     plain.exec("ALTER TABLE t ADD COLUMN b int; INSERT INTO t VALUES (2, 'y', 5)").await;
@@ -603,7 +540,7 @@ async fn an_invalidated_slot_requires_a_reset_with_the_reason() {
     ]);
     let up = upstream_on(&server.url(), "pgsrc_invalid").await;
     up.exec("CREATE TABLE t (id int PRIMARY KEY, pad text); INSERT INTO t VALUES (1, 'x')").await;
-    let mut sluice = Sluice::start(up.config("pgsrc_invalid")).await;
+    let mut sluice = start_sluice(up.config("pgsrc_invalid")).await;
     let replica = sluice.subscribe().await;
     converge(&up, &replica, &["public.t"]).await;
     sluice.stop().await.unwrap();
@@ -625,7 +562,7 @@ async fn an_invalidated_slot_requires_a_reset_with_the_reason() {
         status.as_deref() == Some("lost")
     })
     .await;
-    sluice.run();
+    sluice.run().await;
     let reason = sluice.wait_for_reset().await;
     assert!(reason.contains("pgsrc_invalid was invalidated"), "{reason}");
     sluice.stop().await.unwrap();

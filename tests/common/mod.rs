@@ -6,6 +6,7 @@ pub mod mariadb;
 pub mod pgserver;
 pub mod process;
 pub mod replica;
+pub mod restartable;
 pub mod ws;
 
 use std::future::Future;
@@ -384,12 +385,6 @@ pub struct Served {
     pub hub: Arc<sluice::hub::Hub>,
     /// Dropping it stops the server.
     pub stop: watch::Sender<bool>,
-}
-
-pub async fn serve(reader: Arc<dyn LogReader>) -> Served {
-    let status = Arc::new(Status::default());
-    let hub = sluice::hub::Hub::new(reader, status.clone());
-    serve_hub(hub, status).await
 }
 
 /// The subscriber endpoint for an existing hub (a streamer's).
