@@ -147,6 +147,12 @@ async fn snapshot_then_every_kind_of_row_change() {
     up.exec("TRUNCATE other").await;
     up.exec("INSERT INTO other VALUES (3, 'after truncate')").await;
     converge(&up, &replica, &["public.items", "public.other"]).await;
+    // The log's table state holds the upstream's rows: updates, a key
+    // change, deletes and a truncate applied.
+    sluice.durable_through(&replica).await;
+    for table in ["items", "other"] {
+        assert_eq!(sluice.state_rows("public", table).await, up.rows(&format!("public.{table}")).await, "{table}");
+    }
 
     let r = replica.lock().unwrap();
     let key_change = r.raw.iter().find(|m| m.contains("\"id\":2000")).unwrap();
@@ -228,6 +234,11 @@ async fn values_keep_their_types_and_unchanged_toast_is_never_null() {
     assert!(delete.contains("\"type\":\"full\"") && delete.contains("\"n\":1"), "{delete}");
     drop(r);
     converge(&up, &replica, &["public.docs", "public.docs_full"]).await;
+    // The table state merged the updates into the stored row: the body
+    // they left out is still there.
+    sluice.durable_through(&replica).await;
+    assert_eq!(sluice.state_rows("public", "docs").await, up.rows("public.docs").await);
+    assert_eq!(sluice.state_rows("public", "typed").await.len(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -263,6 +274,7 @@ async fn large_transactions_are_streamed_and_rolled_back_work_is_never_stored() 
     // Commit order: small(1), the big one, small(2).
     assert_eq!(r.commits.len(), 4, "{:?}", r.commits);
     drop(r);
+    sluice.durable_through(&replica).await;
     let rows = sluice.spec().rows().await;
     let per_tx = |w: &str| rows.iter().filter(|row| row.watermark == w && row.tag == "insert").count();
     let commits = replica.lock().unwrap().commits.clone();
@@ -304,6 +316,7 @@ async fn schema_changes_of_every_kind_arrive_in_their_transaction() {
     let got: Vec<String> = replica.lock().unwrap().schema_changes[base..].to_vec();
     assert_eq!(got, expected);
     // Each change sits in the same transaction as the row written with it.
+    sluice.durable_through(&replica).await;
     let rows = sluice.spec().rows().await;
     let add = rows.iter().find(|r| r.tag == "add-column").unwrap();
     assert!(add.change.contains("\"dflt\":\"'dflt'::text\""), "{}", add.change);

@@ -17,7 +17,7 @@ pub async fn run(registry: &Registry, tmp: &Path) -> anyhow::Result<()> {
         let changes: u64 = if row_bytes > 512 { 100_000 } else { 200_000 };
         let txs = (changes / rows as u64).max(1);
         one(registry, tmp, txs, rows, row_bytes).await?;
-        super::store_with(registry, tmp, txs, rows, row_bytes, Durability::Full).await?;
+        super::store_with(registry, tmp, txs, rows, row_bytes, Durability::Full, false).await?;
     }
     Ok(())
 }

@@ -47,8 +47,14 @@ async fn main() -> anyhow::Result<()> {
         );
         for (rows, row_bytes) in [(1u32, 100usize), (10, 100), (100, 100), (10, 1024)] {
             for durability in [Durability::Full, Durability::Normal] {
-                store(&registry, &tmp, rows, row_bytes, durability).await?;
+                store(&registry, &tmp, rows, row_bytes, durability, false).await?;
             }
+        }
+        // The same with the table state kept (`--table-state`): every row
+        // also goes into the state (the mock source only inserts, so the
+        // state grows as the log does).
+        for (rows, row_bytes) in [(10u32, 100usize), (100, 100), (10, 1024)] {
+            store(&registry, &tmp, rows, row_bytes, Durability::Full, true).await?;
         }
         sqlite_ceiling(&tmp)?;
     }
@@ -454,9 +460,10 @@ async fn store(
     rows: u32,
     row_bytes: usize,
     durability: Durability,
+    table_state: bool,
 ) -> anyhow::Result<()> {
     let txs: u64 = (if row_bytes > 512 { 200_000 } else { 500_000 } / rows as u64).clamp(2_000, 200_000);
-    store_with(registry, tmp, txs, rows, row_bytes, durability).await
+    store_with(registry, tmp, txs, rows, row_bytes, durability, table_state).await
 }
 
 async fn store_with(
@@ -466,6 +473,7 @@ async fn store_with(
     rows: u32,
     row_bytes: usize,
     durability: Durability,
+    table_state: bool,
 ) -> anyhow::Result<()> {
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": rows, "row_bytes": row_bytes}).to_string();
     let source = registry
@@ -480,7 +488,7 @@ async fn store_with(
             std::fs::remove_file(&leftover)?;
         }
     }
-    let log = Box::new(SqliteChangeLog::open(&db, durability)?);
+    let log = Box::new(SqliteChangeLog::open(&db, durability)?.with_table_state(table_state)?);
     let reader = Arc::new(sluice::storage::sqlite::SqliteReader::new(&db));
     let last = sluice::watermark::to_lexi(txs as u128);
     let (service, secs) = store_until(Box::new(source), log, reader, &last).await?;
@@ -490,7 +498,7 @@ async fn store_with(
         std::fs::metadata(&db)?.len() + std::fs::metadata(db.with_extension("db-wal")).map(|m| m.len()).unwrap_or(0);
     println!(
         "mock-source        {rows:>3} rows/tx of {row_bytes:>4} B, sync {:<6}: {:>8.0} tx/s, {:>9.0} changes/s ({txs} tx in {secs:.2} s, log {} MiB)",
-        format!("{durability:?}"),
+        format!("{durability:?}{}", if table_state { " + table state" } else { "" }),
         txs as f64 / secs,
         (txs * rows as u64) as f64 / secs,
         bytes >> 20

@@ -87,6 +87,13 @@ struct RunArgs {
     /// new lineage instead of only reporting it.
     #[arg(long)]
     auto_reset: bool,
+    /// Keep the compacted table state beside the SQLite change log: the
+    /// latest row of every key, updated in the same commit as the log, so a
+    /// consumer can start from the current data even after a purge. Costs
+    /// write throughput (see docs/benchmarks.md); starts with the next
+    /// lineage.
+    #[arg(long)]
+    table_state: bool,
     /// SQLite durability: `full` (default; commits survive power loss) or
     /// `normal` (commits survive a crash of Sluice, not of the machine).
     #[arg(long, default_value = "full")]
@@ -260,11 +267,15 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (log, reader, where_): (Box<dyn sluice::storage::ChangeLog>, Arc<dyn sluice::storage::LogReader>, String) =
         match &change_db {
             ChangeDb::Sqlite(path) => (
-                Box::new(SqliteChangeLog::open(path, durability)?),
+                Box::new(SqliteChangeLog::open(path, durability)?.with_table_state(args.table_state)?),
                 Arc::new(SqliteReader::new(path)),
                 path.display().to_string(),
             ),
             ChangeDb::Postgres(url) => {
+                anyhow::ensure!(
+                    !args.table_state,
+                    "--table-state: only the SQLite change log keeps the table state so far"
+                );
                 let settings = PgSettings {
                     url: url.clone(),
                     app_id: args.app_id.clone(),

@@ -2,11 +2,13 @@
 //! stops and starts again (on a new source each time) while the endpoint
 //! and its subscribers stay: the harness of the source tests.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use serde_json::Value;
 use sluice::service::{Service, ServiceConfig};
 use sluice::source::ChangeSource;
 use sluice::status::{SourceState, Status};
@@ -73,6 +75,44 @@ impl Restartable {
     /// Waits until `w` is the last durable watermark.
     pub async fn stored(&self, w: &str) {
         super::wait_stored(&self.status, w).await;
+    }
+
+    /// Waits until everything `replica` has received is durable in the log
+    /// (subscribers get live transactions before the storer commits them).
+    pub async fn durable_through(&self, replica: &Arc<Mutex<Replica>>) {
+        let last = replica.lock().unwrap().commits.last().cloned().unwrap_or_default();
+        let st = self.status.clone();
+        wait_until(&format!("{last} to be durable"), WAIT, || {
+            let stored = st.snapshot().last_watermark.unwrap_or_default();
+            let done = stored >= last;
+            async move { done }
+        })
+        .await;
+    }
+
+    /// The rows of `schema.name` in the log's table state, keyed by their
+    /// `id` as the upstream's rows are (see `Upstream::rows`).
+    pub async fn state_rows(&self, schema: &str, name: &str) -> BTreeMap<String, Value> {
+        let reader = self.spec().open().1;
+        let table = sluice::storage::state::object_key(schema, name);
+        tokio::task::spawn_blocking(move || {
+            let mut snapshot = reader.snapshot().unwrap();
+            assert!(snapshot.state_kept().unwrap(), "the table state is kept");
+            let mut out = BTreeMap::new();
+            let mut after: Option<(String, String)> = None;
+            loop {
+                let cursor = after.as_ref().map(|(t, k)| (t.as_str(), k.as_str()));
+                let rows = snapshot.state_rows(cursor, 100).unwrap();
+                let Some(last) = rows.last() else { return out };
+                after = Some((last.table.clone(), last.key.clone()));
+                for r in rows.into_iter().filter(|r| r.table == table) {
+                    let v: Value = serde_json::from_str(&r.row).unwrap();
+                    out.insert(super::replica::key_of(&v, &["id".to_string()]), v);
+                }
+            }
+        })
+        .await
+        .unwrap()
     }
 
     /// Waits for the source to be backing off with an error containing

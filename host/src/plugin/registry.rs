@@ -135,7 +135,11 @@ impl Registry {
                 let pre = match load_one(&self.engine, &self.linker, &self.cache, &mut info).await {
                     Ok(pre) => Some(pre),
                     Err(e) => {
-                        tracing::error!("plugin {} ({}): {e}", info.name, info.file.display());
+                        // A compile cut short because Sluice is stopping is
+                        // not the plugin's fault; say nothing of it.
+                        if e != STOPPING {
+                            tracing::error!("plugin {} ({}): {e}", info.name, info.file.display());
+                        }
                         info.error = Some(e);
                         None
                     }
@@ -204,6 +208,9 @@ impl Registry {
     }
 }
 
+/// Why a load ended when the runtime cancelled its compile task.
+const STOPPING: &str = "not loaded: Sluice is stopping";
+
 async fn load_one(
     engine: &Engine,
     linker: &Linker<HostState>,
@@ -218,7 +225,7 @@ async fn load_one(
         tokio::task::spawn_blocking(move || cache.load_owned(&engine2, &bytes))
     }
     .await
-    .map_err(|e| format!("compiling: {e}"))?
+    .map_err(|e| if e.is_cancelled() { STOPPING.to_string() } else { format!("compiling: {e}") })?
     .map_err(|e| format!("not a valid component: {e:#}"))?;
     info.cached = cached;
     let (kind, version) = classify(engine, &component)?;

@@ -7,6 +7,7 @@
 pub mod memory;
 pub mod postgres;
 pub mod sqlite;
+pub mod state;
 
 /// Storage failures that mean "stop", not "retry".
 #[derive(Debug, thiserror::Error)]
@@ -134,6 +135,19 @@ pub struct StoredRow {
     pub change: String,
 }
 
+/// A row of the compacted table state ([`state`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateRow {
+    /// `["schema","name"]` ([`state::object_key`]).
+    pub table: String,
+    /// The row key ([`state`]: the key columns' values as a JSON array).
+    pub key: String,
+    /// The row, a JSON object.
+    pub row: String,
+    /// The table's relation object, as its row changes carry it.
+    pub relation: String,
+}
+
 /// A consistent read view of the log, pinned when it was taken: it holds
 /// every transaction committed before and none after.
 pub trait LogSnapshot: Send {
@@ -141,6 +155,22 @@ pub trait LogSnapshot: Send {
     /// Rows with `from <= watermark <= last_watermark`, in (watermark, pos)
     /// order, after the `after` cursor, at most `limit`.
     fn read(&mut self, from: &str, after: Option<(&str, i64)>, limit: usize) -> anyhow::Result<Vec<StoredRow>>;
+
+    /// Whether the log has kept the table state since its lineage began, so
+    /// that the state is whole at `last_watermark`.
+    fn state_kept(&mut self) -> anyhow::Result<bool> {
+        Ok(false)
+    }
+    /// The schema changes that build the state's tables and indexes, in log
+    /// order (inner JSON objects).
+    fn state_schema(&mut self) -> anyhow::Result<Vec<String>> {
+        Ok(Vec::new())
+    }
+    /// State rows after the cursor `after` (table, key), in (table, key)
+    /// order, at most `limit`.
+    fn state_rows(&mut self, _after: Option<(&str, &str)>, _limit: usize) -> anyhow::Result<Vec<StateRow>> {
+        Ok(Vec::new())
+    }
 }
 
 /// Reading and cleaning the log beside the single writer.
