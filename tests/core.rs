@@ -38,7 +38,8 @@ on_both_backends!(
     replayed_transactions_are_skipped_not_duplicated,
     reset_required_is_recorded_and_auto_reset_starts_a_new_lineage,
     reset_required_without_auto_reset_is_recorded_and_streaming_goes_on,
-    a_different_replica_version_resets_the_log
+    a_different_replica_version_resets_the_log,
+    the_table_state_follows_every_kind_of_change
 );
 
 fn tmp() -> tempfile::TempDir {
@@ -629,4 +630,126 @@ async fn sluice_tail_prints_the_stream_and_stops_after_n_commits() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("current replica version is 00 (requested zz)"));
     host.kill().unwrap();
     host.wait().unwrap();
+}
+
+/// The compacted table state, written through the `ChangeLog` trait as the
+/// storer writes it, on both change logs: every kind of change, a savepoint
+/// rolled back, and paging through the result from a pinned snapshot.
+async fn the_table_state_follows_every_kind_of_change(backend: Backend) {
+    use sluice::storage::{ChangeLog, LogRow};
+    const ITEMS: &str = r#"{"schema":"public","name":"items","rowKey":{"columns":["id"],"type":"default"}}"#;
+    let data = |tag: &str, key: Option<&str>, new: Option<&str>| {
+        let mut c = format!(r#"{{"tag":"{tag}","relation":{ITEMS}"#);
+        if let Some(k) = key {
+            c.push_str(&format!(r#","key":{k}"#));
+        }
+        if let Some(n) = new {
+            c.push_str(&format!(r#","new":{n}"#));
+        }
+        c.push('}');
+        c
+    };
+    fn append(log: &mut dyn ChangeLog, w: &str, changes: &[(&str, String)]) {
+        let mut rows =
+            vec![LogRow { watermark: w, pos: 0, tag: "begin", change: r#"{"tag":"begin"}"#, precommit: None }];
+        for (i, (tag, c)) in changes.iter().enumerate() {
+            rows.push(LogRow { watermark: w, pos: i as i64 + 1, tag, change: c, precommit: None });
+        }
+        log.append(&rows).unwrap();
+    }
+    let dir = tmp();
+    let spec = LogSpec::new(backend, dir.path());
+    let (mut log, reader) = spec.open();
+    let state = || {
+        let reader = reader.clone();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let mut snap = reader.snapshot().unwrap();
+                let first = snap.state_rows(None, 1).unwrap();
+                let rest = match first.first() {
+                    Some(r) => snap.state_rows(Some((&r.table, &r.key)), 100).unwrap(),
+                    None => Vec::new(),
+                };
+                let rows: Vec<(String, String)> = first.into_iter().chain(rest).map(|r| (r.key, r.row)).collect();
+                (snap.state_kept().unwrap(), snap.state_schema().unwrap(), rows)
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let create = r#"{"tag":"create-table","spec":{"schema":"public","name":"items","columns":{"id":{"pos":1,"dataType":"int8"}},"primaryKey":["id"]}}"#.to_string();
+    let insert = |id: i64| data("insert", None, Some(&format!(r#"{{"id":{id},"a":"x","big":"toast{id}"}}"#)));
+    let log = &mut *log;
+    tokio::task::block_in_place(|| {
+        log.reset("00").unwrap();
+        log.assume_ownership("sluice", "127.0.0.1:1").unwrap();
+        log.begin().unwrap();
+        append(
+            log,
+            "01",
+            &[("create-table", create.clone()), ("insert", insert(1)), ("insert", insert(2)), ("insert", insert(3))],
+        );
+        // In one batch: a partial update merged into a row inserted just
+        // before, a key change, a delete, a row deleted then inserted again.
+        append(
+            log,
+            "02",
+            &[
+                ("insert", insert(4)),
+                ("update", data("update", Some("null"), Some(r#"{"id":4,"a":"y"}"#))),
+                ("update", data("update", Some(r#"{"id":2}"#), Some(r#"{"id":20,"a":"moved","big":"toast2"}"#))),
+                ("delete", data("delete", Some(r#"{"id":3}"#), None)),
+                ("update", data("update", Some("null"), Some(r#"{"id":1,"a":"z"}"#))),
+            ],
+        );
+        log.commit("02").unwrap();
+        // Rolled back to its savepoint: no trace.
+        log.begin().unwrap();
+        log.savepoint().unwrap();
+        append(log, "03", &[("insert", insert(5)), ("delete", data("delete", Some(r#"{"id":1}"#), None))]);
+        log.rollback_to_savepoint().unwrap();
+        log.commit("02").unwrap();
+    });
+    let (kept, schema, rows) = state().await;
+    assert!(kept, "{backend:?}: the state is kept");
+    assert_eq!(schema, std::slice::from_ref(&create));
+    let rows: Vec<(String, serde_json::Value)> =
+        rows.into_iter().map(|(k, r)| (k, serde_json::from_str(&r).unwrap())).collect();
+    assert_eq!(
+        rows,
+        [
+            ("[1]".to_string(), json!({"id": 1, "a": "z", "big": "toast1"})),
+            ("[20]".to_string(), json!({"id": 20, "a": "moved", "big": "toast2"})),
+            ("[4]".to_string(), json!({"id": 4, "a": "y", "big": "toast4"})),
+        ],
+        "{backend:?}"
+    );
+    // Column edits, a rename, then truncate and drop.
+    let drop_a = r#"{"tag":"drop-column","table":{"schema":"public","name":"items"},"column":"a"}"#.to_string();
+    let rename_big = r#"{"tag":"update-column","table":{"schema":"public","name":"items"},"old":{"name":"big","spec":{"pos":3,"dataType":"text"}},"new":{"name":"payload","spec":{"pos":3,"dataType":"text"}}}"#.to_string();
+    let rename =
+        r#"{"tag":"rename-table","old":{"schema":"public","name":"items"},"new":{"schema":"public","name":"goods"}}"#
+            .to_string();
+    tokio::task::block_in_place(|| {
+        log.begin().unwrap();
+        append(
+            log,
+            "04",
+            &[("drop-column", drop_a.clone()), ("update-column", rename_big.clone()), ("rename-table", rename.clone())],
+        );
+        log.commit("04").unwrap();
+    });
+    let (_, schema, rows) = state().await;
+    assert_eq!(schema, [create, drop_a, rename_big, rename]);
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&rows[0].1).unwrap(), json!({"id": 1, "payload": "toast1"}));
+    tokio::task::block_in_place(|| {
+        log.begin().unwrap();
+        append(
+            log,
+            "05",
+            &[("drop-table", r#"{"tag":"drop-table","id":{"schema":"public","name":"goods"}}"#.to_string())],
+        );
+        log.commit("05").unwrap();
+    });
+    assert_eq!(state().await, (true, vec![], vec![]));
 }

@@ -69,7 +69,10 @@ async fn main() -> anyhow::Result<()> {
     if let (true, Some(url)) = (run("postgres"), &pg_url) {
         println!("\n## Mock source -> Postgres change DB (synchronous_commit on), durable changes/s");
         for (rows, row_bytes) in [(1u32, 100usize), (10, 100), (100, 100), (10, 1024)] {
-            store_pg(&registry, &tmp, url, rows, row_bytes).await?;
+            store_pg(&registry, &tmp, url, rows, row_bytes, false).await?;
+        }
+        for (rows, row_bytes) in [(10u32, 100usize), (10, 1024)] {
+            store_pg(&registry, &tmp, url, rows, row_bytes, true).await?;
         }
         pg_ceiling(&tmp, url)?;
     }
@@ -519,7 +522,14 @@ fn pg_settings(url: &str, app_id: &str) -> sluice::storage::postgres::PgSettings
     }
 }
 
-async fn store_pg(registry: &Registry, tmp: &Path, url: &str, rows: u32, row_bytes: usize) -> anyhow::Result<()> {
+async fn store_pg(
+    registry: &Registry,
+    tmp: &Path,
+    url: &str,
+    rows: u32,
+    row_bytes: usize,
+    table_state: bool,
+) -> anyhow::Result<()> {
     use sluice::storage::postgres::{PostgresChangeLog, PostgresReader};
     let txs: u64 = (if row_bytes > 512 { 100_000 } else { 200_000 } / rows as u64).clamp(2_000, 50_000);
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": rows, "row_bytes": row_bytes}).to_string();
@@ -527,9 +537,11 @@ async fn store_pg(registry: &Registry, tmp: &Path, url: &str, rows: u32, row_byt
         .source("mock-source", config, SandboxLimits::default(), NetGrant::default())
         .await
         .map_err(anyhow::Error::msg)?;
-    let settings = pg_settings(url, &format!("bench{rows}x{row_bytes}"));
+    let settings = pg_settings(url, &format!("bench{rows}x{row_bytes}{}", if table_state { "s" } else { "" }));
     let rt = tokio::runtime::Handle::current();
-    let log = Box::new(tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?);
+    let log = Box::new(tokio::task::block_in_place(|| {
+        PostgresChangeLog::open(settings.clone(), rt.clone())?.with_table_state(table_state)
+    })?);
     let reader = Arc::new(PostgresReader::new(settings, rt));
     let last = sluice::watermark::to_lexi(txs as u128);
     let (service, secs) = store_until(Box::new(source), log, reader, &last).await?;
@@ -537,7 +549,8 @@ async fn store_pg(registry: &Registry, tmp: &Path, url: &str, rows: u32, row_byt
     service.stop().await?;
     let _ = tmp;
     println!(
-        "{rows:>3} rows/tx of {row_bytes:>4} B: {:>8.0} tx/s, {:>9.0} changes/s ({txs} tx in {secs:.2} s)",
+        "{rows:>3} rows/tx of {row_bytes:>4} B{}: {:>8.0} tx/s, {:>9.0} changes/s ({txs} tx in {secs:.2} s)",
+        if table_state { " + table state" } else { "" },
         txs as f64 / secs,
         (txs * rows as u64) as f64 / secs
     );

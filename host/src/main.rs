@@ -87,7 +87,7 @@ struct RunArgs {
     /// new lineage instead of only reporting it.
     #[arg(long)]
     auto_reset: bool,
-    /// Keep the compacted table state beside the SQLite change log: the
+    /// Keep the compacted table state beside the change log: the
     /// latest row of every key, updated in the same commit as the log, so a
     /// consumer can start from the current data even after a purge. Costs
     /// write throughput (see docs/benchmarks.md); starts with the next
@@ -272,10 +272,6 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 path.display().to_string(),
             ),
             ChangeDb::Postgres(url) => {
-                anyhow::ensure!(
-                    !args.table_state,
-                    "--table-state: only the SQLite change log keeps the table state so far"
-                );
                 let settings = PgSettings {
                     url: url.clone(),
                     app_id: args.app_id.clone(),
@@ -287,7 +283,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 };
                 let rt = tokio::runtime::Handle::current();
                 let log = tokio::task::block_in_place(|| {
-                    PostgresChangeLog::open_when_reachable(settings.clone(), rt.clone(), Duration::from_secs(600))
+                    PostgresChangeLog::open_when_reachable(settings.clone(), rt.clone(), Duration::from_secs(600))?
+                        .with_table_state(args.table_state)
                 })?;
                 let schema = settings.schema();
                 (Box::new(log), Arc::new(PostgresReader::new(settings, rt)), format!("Postgres schema {schema}"))

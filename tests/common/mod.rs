@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rusqlite::{Connection, OptionalExtension};
+use rusqlite::Connection;
 use sluice::plugin::{NetGrant, Registry, SandboxLimits};
 use sluice::service::{Service, ServiceConfig};
 use sluice::status::Status;
@@ -152,6 +152,14 @@ impl LogSpec {
         other
     }
 
+    /// A reader of the log (no writer).
+    pub fn reader(&self) -> Arc<dyn LogReader> {
+        match &self.pg {
+            None => Arc::new(SqliteReader::new(&self.sqlite)),
+            Some(pg) => Arc::new(PostgresReader::new(pg.clone(), tokio::runtime::Handle::current())),
+        }
+    }
+
     pub fn open(&self) -> (Box<dyn ChangeLog>, Arc<dyn LogReader>) {
         match &self.pg {
             None => (
@@ -164,7 +172,10 @@ impl LogSpec {
             ),
             Some(pg) => {
                 let rt = tokio::runtime::Handle::current();
-                let log = tokio::task::block_in_place(|| PostgresChangeLog::open(pg.clone(), rt.clone())).unwrap();
+                let log = tokio::task::block_in_place(|| {
+                    PostgresChangeLog::open(pg.clone(), rt.clone())?.with_table_state(true)
+                })
+                .unwrap();
                 (Box::new(log), Arc::new(PostgresReader::new(pg.clone(), rt)))
             }
         }
@@ -327,31 +338,39 @@ impl LogSpec {
             }
             i += tx.len();
         }
-        if self.backend == Backend::Sqlite {
-            self.assert_state_follows_the_log(&all);
-        }
+        self.assert_state_follows_the_log(&all).await;
     }
 
     /// The table state, where the log keeps one and still holds its whole
     /// lineage, equals the log's row changes folded by key, computed here
     /// independently of Sluice's own code. Logs with schema changes beyond
     /// create-table and create-index are not modelled and are left out.
-    fn assert_state_follows_the_log(&self, all: &[Row]) {
+    async fn assert_state_follows_the_log(&self, all: &[Row]) {
         use serde_json::{Map, Value};
         type Key = (Value, Value);
-        let c = Connection::open(&self.sqlite).unwrap();
-        let kept: i64 = c
-            .query_row(
-                r#"SELECT count(*) FROM "stateConfig" s JOIN "replicationConfig" r ON r.replicaVersion = s.replicaVersion"#,
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
-        let rv: Option<String> =
-            c.query_row(r#"SELECT replicaVersion FROM "replicationConfig""#, [], |r| r.get(0)).optional().unwrap();
-        if kept == 0 || all.first().map(|r| Some(&r.watermark) != rv.as_ref()).unwrap_or(true) {
-            return;
+        let Some(first) = all.first() else { return };
+        if first.watermark != self.replication().await.0 {
+            return; // purged: the log no longer holds the whole lineage
         }
+        let reader = self.reader();
+        let state = tokio::task::spawn_blocking(move || {
+            let mut snapshot = reader.snapshot().unwrap();
+            if !snapshot.state_kept().unwrap() {
+                return None;
+            }
+            let mut rows = Vec::new();
+            let mut after: Option<(String, String)> = None;
+            loop {
+                let cursor = after.as_ref().map(|(t, k)| (t.as_str(), k.as_str()));
+                let page = snapshot.state_rows(cursor, 1000).unwrap();
+                let Some(last) = page.last() else { return Some(rows) };
+                after = Some((last.table.clone(), last.key.clone()));
+                rows.extend(page);
+            }
+        })
+        .await
+        .unwrap();
+        let Some(state) = state else { return };
         let table_of = |rel: &Value| Value::from(vec![rel["schema"].clone(), rel["name"].clone()]);
         let key_of = |rel: &Value, row: &Value| -> Value {
             let columns = rel["rowKey"]["columns"].as_array().cloned().unwrap_or_default();
@@ -389,17 +408,12 @@ impl LogSpec {
                 _ => return,
             }
         }
-        let mut stmt = c.prepare(r#"SELECT tableKey, rowKey, row FROM "stateRows""#).unwrap();
-        let state: std::collections::HashMap<Key, Map<String, Value>> = stmt
-            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?)))
-            .unwrap()
+        let state: std::collections::HashMap<Key, Map<String, Value>> = state
+            .into_iter()
             .map(|r| {
-                let (t, k, row) = r.unwrap();
-                let row: Value = serde_json::from_str(&row).unwrap();
-                (
-                    (serde_json::from_str(&t).unwrap(), serde_json::from_str(&k).unwrap()),
-                    row.as_object().unwrap().clone(),
-                )
+                let row: Value = serde_json::from_str(&r.row).unwrap();
+                let key = (serde_json::from_str(&r.table).unwrap(), serde_json::from_str(&r.key).unwrap());
+                (key, row.as_object().unwrap().clone())
             })
             .collect();
         assert_eq!(state.len(), folded.len(), "the table state holds as many rows as the log's changes leave");

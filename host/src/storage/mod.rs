@@ -6,6 +6,7 @@
 
 pub mod memory;
 pub mod postgres;
+mod postgres_state;
 pub mod sqlite;
 pub mod state;
 

@@ -12,6 +12,7 @@
 //! The calls are blocking (the storer runs on its own thread); each one
 //! drives tokio-postgres on the runtime through `Handle::block_on`.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -19,7 +20,9 @@ use tokio::runtime::Handle;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, NoTls};
 
-use super::{Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, NewLineage, StorageError, StoredRow};
+use super::{
+    Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, NewLineage, StateRow, StorageError, StoredRow,
+};
 
 /// The current schema version of Zero's change DB, and the oldest it reads.
 const SCHEMA_VERSION: i32 = 6;
@@ -114,7 +117,23 @@ pub struct PostgresChangeLog {
     /// fail it, never be replaced under it (the server rolled back what was
     /// written, and a fresh connection would commit the rest on its own).
     in_transaction: bool,
+    /// Keep the table state (opt-in: `with_table_state`).
+    state_enabled: bool,
+    /// The table state is kept for the current lineage and is up to date
+    /// (read at each `begin`; see `STATE_KEPT`).
+    keep_state: bool,
+    /// The relation object last written per table; forgotten on rollback.
+    relations: HashMap<String, String>,
 }
+
+/// Whether the table state is kept for the recorded lineage and was
+/// updated with the last commit: `stateWatermark` moves with
+/// `lastWatermark` in every commit that keeps the state, so a log written
+/// meanwhile by a Sluice that does not know the state (it cannot clear it)
+/// shows as not kept.
+const STATE_KEPT: &str = r#"(SELECT count(*) FROM {s}."stateConfig" c
+      JOIN {s}."replicationConfig" r ON r."replicaVersion" = c."replicaVersion"
+      JOIN {s}."replicationState" st ON st."lastWatermark" = c."stateWatermark")"#;
 
 impl PostgresChangeLog {
     /// Connects and creates the schema if it does not exist.
@@ -148,9 +167,43 @@ impl PostgresChangeLog {
             insert: None,
             owner_at_begin: None,
             in_transaction: false,
+            state_enabled: false,
+            keep_state: false,
+            relations: HashMap::new(),
         };
         log.setup()?;
         Ok(log)
+    }
+
+    /// Keeps the compacted table state beside the log, from the next
+    /// lineage on; without it, a state kept by an earlier run is marked as
+    /// no longer kept (see the SQLite log).
+    pub fn with_table_state(mut self, on: bool) -> anyhow::Result<Self> {
+        self.state_enabled = on;
+        let s = self.schema.clone();
+        let kept = self.run(async |c| {
+            let kept: i64 = c
+                .query_one(&format!("SELECT {}", STATE_KEPT.replace("{s}", &s)), &[])
+                .await
+                .map_err(|e| classify(e, "reading the table state's lineage"))?
+                .get(0);
+            Ok(kept > 0)
+        })?;
+        if on && !kept && self.state()?.is_some() {
+            tracing::warn!("the table state is kept from the change log's next lineage on (this one began without it)");
+        } else if !on {
+            let removed = self.run(async |c| {
+                c.execute(&format!(r#"DELETE FROM {s}."stateConfig""#), &[])
+                    .await
+                    .map_err(|e| classify(e, "clearing the table state's lineage"))
+            })?;
+            if removed > 0 {
+                tracing::warn!(
+                    "the table state is no longer kept for this lineage (Sluice runs without --table-state)"
+                );
+            }
+        }
+        Ok(self)
     }
 
     /// The live connection, reconnecting after a loss between storage
@@ -166,6 +219,40 @@ impl PostgresChangeLog {
             self.client = Some(self.rt.block_on(settings.connect())?);
         }
         Ok(self.client.as_ref().expect("connected above"))
+    }
+
+    /// Applies the rows to the table state (see the SQLite log's
+    /// `keep_state`; a change the state cannot follow turns it off).
+    fn keep_state(&mut self, rows: &[LogRow<'_>]) -> anyhow::Result<()> {
+        if !self.keep_state {
+            return Ok(());
+        }
+        let s = self.schema.clone();
+        let mut plan = super::postgres_state::Plan::new(&s, &mut self.relations);
+        let mut failed = None;
+        for row in rows {
+            if let Err(e) = super::state::apply(&mut plan, (row.watermark, row.pos), row.tag, row.change) {
+                failed = Some(e);
+                break;
+            }
+        }
+        let rt = self.rt.clone();
+        let client = self.client.as_ref().filter(|c| !c.is_closed());
+        let client = client.ok_or_else(|| {
+            anyhow::anyhow!(
+                "the change DB connection was lost inside a storage transaction (the server rolled it back)"
+            )
+        })?;
+        match failed {
+            None => rt.block_on(plan.run(client)).context("keeping the table state"),
+            Some(e) => {
+                tracing::error!("{e:#}; the table state is no longer kept for this lineage");
+                self.keep_state = false;
+                rt.block_on(client.execute(&format!(r#"DELETE FROM {s}."stateConfig""#), &[]))
+                    .map_err(|e| classify(e, "turning the table state off"))?;
+                Ok(())
+            }
+        }
     }
 
     /// Whether the connection is open (a test waits on this after cutting it).
@@ -215,6 +302,29 @@ impl PostgresChangeLog {
                   "table" TEXT NOT NULL,
                   "metadata" JSONB NOT NULL,
                   PRIMARY KEY("schema", "table")
+                );
+                CREATE TABLE IF NOT EXISTS {s}."stateRows" (
+                  "tableKey" TEXT,
+                  "rowKey" TEXT,
+                  "row" TEXT NOT NULL,
+                  PRIMARY KEY ("tableKey", "rowKey")
+                );
+                CREATE TABLE IF NOT EXISTS {s}."stateTables" (
+                  "tableKey" TEXT PRIMARY KEY,
+                  "relation" TEXT NOT NULL
+                );
+                CREATE TABLE IF NOT EXISTS {s}."stateSchema" (
+                  watermark TEXT,
+                  pos INT8,
+                  "tableKey" TEXT NOT NULL,
+                  "indexKey" TEXT,
+                  change TEXT NOT NULL,
+                  PRIMARY KEY (watermark, pos)
+                );
+                CREATE TABLE IF NOT EXISTS {s}."stateConfig" (
+                  "replicaVersion" TEXT NOT NULL,
+                  "stateWatermark" TEXT NOT NULL,
+                  "lock" INTEGER PRIMARY KEY DEFAULT 1 CHECK (lock=1)
                 );
                 CREATE TABLE IF NOT EXISTS {s}."backfilling" (
                   "schema" TEXT NOT NULL,
@@ -279,9 +389,12 @@ impl ChangeLog for PostgresChangeLog {
     fn reset(&mut self, replica_version: &str) -> anyhow::Result<()> {
         let s = self.schema.clone();
         let rv = replica_version.to_string();
+        let keep = self.state_enabled;
+        self.relations.clear();
+        self.keep_state = keep;
         self.run(async |c| {
             c.batch_execute("BEGIN").await.map_err(|e| classify(e, "BEGIN"))?;
-            match seed_lineage(c, &s, &rv, None).await {
+            match seed_lineage(c, &s, &rv, None, keep).await {
                 Ok(()) => c.batch_execute("COMMIT").await.map_err(|e| classify(e, "resetting the change DB")),
                 Err(e) => {
                     let _ = c.batch_execute("ROLLBACK").await;
@@ -295,8 +408,11 @@ impl ChangeLog for PostgresChangeLog {
         anyhow::ensure!(self.in_transaction, "a lineage starts inside a storage transaction");
         let s = self.schema.clone();
         let owner = (lineage.owner.as_str(), lineage.owner_address.as_str());
+        let keep = self.state_enabled;
+        self.relations.clear();
+        self.keep_state = keep;
         self.run(async |c| {
-            seed_lineage(c, &s, &lineage.replica_version, Some(owner))
+            seed_lineage(c, &s, &lineage.replica_version, Some(owner), keep)
                 .await
                 .map_err(|e| classify(e, &format!("starting lineage {}", lineage.replica_version)))
         })?;
@@ -343,12 +459,18 @@ impl ChangeLog for PostgresChangeLog {
                 .query_opt(&format!(r#"SELECT "owner" FROM {s}."replicationState" FOR UPDATE"#), &[])
                 .await
                 .map_err(|e| classify(e, "locking replicationState"))?;
-            Ok(row.and_then(|r| r.get::<_, Option<String>>(0)))
+            let kept: i64 = c
+                .query_one(&format!("SELECT {}", STATE_KEPT.replace("{s}", &s)), &[])
+                .await
+                .map_err(|e| classify(e, "reading the table state's lineage"))?
+                .get(0);
+            Ok((row.and_then(|r| r.get::<_, Option<String>>(0)), kept > 0))
         });
         match owner {
-            Ok(owner) => {
+            Ok((owner, kept)) => {
                 self.owner_at_begin = Some(owner);
                 self.in_transaction = true;
+                self.keep_state = self.state_enabled && kept;
                 Ok(())
             }
             Err(e) => {
@@ -367,11 +489,21 @@ impl ChangeLog for PostgresChangeLog {
     }
 
     fn rollback_to_savepoint(&mut self) -> anyhow::Result<()> {
-        self.run(async |c| {
+        self.relations.clear();
+        let s = self.schema.clone();
+        let kept = self.run(async |c| {
             c.batch_execute("ROLLBACK TO SAVEPOINT upstream_tx; RELEASE SAVEPOINT upstream_tx")
                 .await
-                .map_err(|e| classify(e, "ROLLBACK TO SAVEPOINT"))
-        })
+                .map_err(|e| classify(e, "ROLLBACK TO SAVEPOINT"))?;
+            let kept: i64 = c
+                .query_one(&format!("SELECT {}", STATE_KEPT.replace("{s}", &s)), &[])
+                .await
+                .map_err(|e| classify(e, "reading the table state's lineage"))?
+                .get(0);
+            Ok(kept > 0)
+        })?;
+        self.keep_state = self.state_enabled && kept;
+        Ok(())
     }
 
     fn append(&mut self, rows: &[LogRow<'_>]) -> anyhow::Result<()> {
@@ -405,7 +537,7 @@ impl ChangeLog for PostgresChangeLog {
             Ok(stmt)
         })?;
         self.insert = Some(stmt);
-        Ok(())
+        self.keep_state(rows)
     }
 
     fn commit(&mut self, last_watermark: &str) -> anyhow::Result<()> {
@@ -420,10 +552,16 @@ impl ChangeLog for PostgresChangeLog {
         }
         let s = self.schema.clone();
         let last = last_watermark.to_string();
+        let keep_state = self.keep_state;
         let result = self.run(async |c| {
             c.execute(&format!(r#"UPDATE {s}."replicationState" SET "lastWatermark" = $1"#), &[&last])
                 .await
                 .map_err(|e| classify(e, "updating lastWatermark"))?;
+            if keep_state {
+                c.execute(&format!(r#"UPDATE {s}."stateConfig" SET "stateWatermark" = $1"#), &[&last])
+                    .await
+                    .map_err(|e| classify(e, "updating the table state's watermark"))?;
+            }
             c.batch_execute("COMMIT").await.map_err(|e| classify(e, "COMMIT"))
         });
         match result {
@@ -436,6 +574,7 @@ impl ChangeLog for PostgresChangeLog {
     }
 
     fn rollback(&mut self) -> anyhow::Result<()> {
+        self.relations.clear();
         self.owner_at_begin = None;
         self.in_transaction = false;
         if let Some(c) = self.client.as_ref().filter(|c| !c.is_closed()) {
@@ -486,15 +625,29 @@ fn copy_rows(rows: &[LogRow<'_>]) -> anyhow::Result<bytes::Bytes> {
 /// Empties the change DB's tables and seeds them for `rv` (Zero's
 /// ensureReplicationConfig, in its lock order), on whatever transaction `c`
 /// is in.
-async fn seed_lineage(c: &Client, s: &str, rv: &str, owner: Option<(&str, &str)>) -> Result<(), tokio_postgres::Error> {
+async fn seed_lineage(
+    c: &Client,
+    s: &str,
+    rv: &str,
+    owner: Option<(&str, &str)>,
+    keep_state: bool,
+) -> Result<(), tokio_postgres::Error> {
     c.batch_execute(&format!(
         r#"TRUNCATE TABLE {s}."replicationState";
            TRUNCATE TABLE {s}."changeLog";
            TRUNCATE TABLE {s}."replicationConfig";
            TRUNCATE TABLE {s}."tableMetadata";
-           TRUNCATE TABLE {s}."backfilling";"#
+           TRUNCATE TABLE {s}."backfilling";
+           TRUNCATE TABLE {s}."stateRows", {s}."stateTables", {s}."stateSchema", {s}."stateConfig";"#
     ))
     .await?;
+    if keep_state {
+        c.execute(
+            &format!(r#"INSERT INTO {s}."stateConfig" ("replicaVersion", "stateWatermark") VALUES ($1, $1)"#),
+            &[&rv],
+        )
+        .await?;
+    }
     c.execute(
         &format!(r#"INSERT INTO {s}."replicationConfig" ("replicaVersion", "publications") VALUES ($1, '{{}}')"#),
         &[&rv],
@@ -589,6 +742,44 @@ impl LogSnapshot for PgSnapshot {
                 })
                 .collect())
         })
+    }
+
+    fn state_kept(&mut self) -> anyhow::Result<bool> {
+        let sql = format!("SELECT {}", STATE_KEPT.replace("{s}", &self.schema));
+        let kept: i64 = self
+            .rt
+            .block_on(self.client.query_one(&sql, &[]))
+            .map_err(|e| classify(e, "reading the table state's lineage"))?
+            .get(0);
+        Ok(kept > 0)
+    }
+
+    fn state_schema(&mut self) -> anyhow::Result<Vec<String>> {
+        let s = &self.schema;
+        let sql = format!(r#"SELECT change FROM {s}."stateSchema" ORDER BY watermark, pos"#);
+        let rows =
+            self.rt.block_on(self.client.query(&sql, &[])).map_err(|e| classify(e, "reading the table state"))?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    fn state_rows(&mut self, after: Option<(&str, &str)>, limit: usize) -> anyhow::Result<Vec<StateRow>> {
+        let s = &self.schema;
+        let (table, key) = after.unwrap_or(("", ""));
+        // Compared and ordered byte-wise, whatever the database's collation.
+        let sql = format!(
+            r#"SELECT r."tableKey", r."rowKey", r."row", t."relation"
+               FROM {s}."stateRows" r JOIN {s}."stateTables" t ON t."tableKey" = r."tableKey"
+               WHERE (r."tableKey" COLLATE "C", r."rowKey" COLLATE "C") > ($1 COLLATE "C", $2 COLLATE "C")
+               ORDER BY r."tableKey" COLLATE "C", r."rowKey" COLLATE "C" LIMIT $3"#
+        );
+        let rows = self
+            .rt
+            .block_on(self.client.query(&sql, &[&table, &key, &(limit as i64)]))
+            .map_err(|e| classify(e, "reading the table state"))?;
+        Ok(rows
+            .iter()
+            .map(|r| StateRow { table: r.get(0), key: r.get(1), row: r.get(2), relation: r.get(3) })
+            .collect())
     }
 }
 

@@ -373,7 +373,9 @@ impl SqliteState<'_> {
 }
 
 impl StateStore for SqliteState<'_> {
-    fn upsert(&mut self, table: &str, key: &str, row: &str, relation: &str) -> anyhow::Result<()> {
+    fn upsert(&mut self, table: &str, key: &str, row: &str, relation: &str, _whole: bool) -> anyhow::Result<()> {
+        // A whole row merged over a stored one replaces every member, so
+        // one statement serves both.
         if self.relations.get(table).map(String::as_str) != Some(relation) {
             self.conn
                 .prepare_cached(
@@ -450,11 +452,7 @@ impl StateStore for SqliteState<'_> {
         Ok(())
     }
 
-    fn rewrite_rows(
-        &mut self,
-        table: &str,
-        edit: &mut dyn FnMut(&str) -> Result<String, String>,
-    ) -> anyhow::Result<()> {
+    fn edit_column(&mut self, table: &str, column: &str, rename_to: Option<&str>) -> anyhow::Result<()> {
         self.flush()?;
         let rows: Vec<(String, String)> = self
             .conn
@@ -463,7 +461,7 @@ impl StateStore for SqliteState<'_> {
             .collect::<Result<_, _>>()?;
         let mut update = self.conn.prepare(r#"UPDATE "stateRows" SET row = ? WHERE tableKey = ? AND rowKey = ?"#)?;
         for (key, row) in rows {
-            let edited = edit(&row).map_err(anyhow::Error::msg)?;
+            let edited = state::edit_column(&row, column, rename_to).map_err(anyhow::Error::msg)?;
             update.execute(params![edited, table, key])?;
         }
         Ok(())

@@ -28,11 +28,13 @@ pub enum StateOp<'a> {
     /// keeps the members `row` lacks: an update may leave out columns whose
     /// values did not change (Postgres' unchanged TOAST values). `relation`
     /// is the change's relation object, kept per table to describe its rows.
+    /// `whole`: an insert's row, which replaces any stored one outright.
     Upsert {
         table: String,
         key: String,
         row: &'a str,
         relation: &'a str,
+        whole: bool,
     },
     /// The row under `old` moves to `new` (an update that changed the key),
     /// before the upsert of its new values.
@@ -226,7 +228,7 @@ pub fn ops<'a>(tag: &str, change: &'a str) -> Result<Vec<StateOp<'a>>, String> {
                     ops.push(StateOp::Rekey { table: table.clone(), old, new: key.clone() });
                 }
             }
-            ops.push(StateOp::Upsert { table, key, row, relation: raw_relation });
+            ops.push(StateOp::Upsert { table, key, row, relation: raw_relation, whole: tag == "insert" });
             ops
         }
         "delete" => {
@@ -300,9 +302,10 @@ pub fn ops<'a>(tag: &str, change: &'a str) -> Result<Vec<StateOp<'a>>, String> {
 /// The statements a change log runs to keep the state, inside its open
 /// storage transaction.
 pub trait StateStore {
-    /// Inserts the row, or merges it into the stored one ([`merge_rows`]);
-    /// `relation` describes the table's rows (kept once per table).
-    fn upsert(&mut self, table: &str, key: &str, row: &str, relation: &str) -> anyhow::Result<()>;
+    /// Inserts the row, or merges it into the stored one ([`merge_rows`])
+    /// unless it is `whole`; `relation` describes the table's rows (kept
+    /// once per table).
+    fn upsert(&mut self, table: &str, key: &str, row: &str, relation: &str, whole: bool) -> anyhow::Result<()>;
     /// Moves a row to another key (replacing any row stored there).
     fn rekey(&mut self, table: &str, old: &str, new: &str) -> anyhow::Result<()>;
     fn delete(&mut self, table: &str, key: &str) -> anyhow::Result<()>;
@@ -315,9 +318,9 @@ pub trait StateStore {
     fn drop_index(&mut self, index: &str) -> anyhow::Result<()>;
     /// Moves the table's rows and history to another name.
     fn rename_table(&mut self, old: &str, new: &str) -> anyhow::Result<()>;
-    /// Rewrites every row of `table` with `edit`.
-    fn rewrite_rows(&mut self, table: &str, edit: &mut dyn FnMut(&str) -> Result<String, String>)
-        -> anyhow::Result<()>;
+    /// Drops `column` from every row of `table` ([`edit_column`]), or
+    /// renames it to `rename_to`.
+    fn edit_column(&mut self, table: &str, column: &str, rename_to: Option<&str>) -> anyhow::Result<()>;
 }
 
 /// Applies one stored change (at `(watermark, pos)`) to the state.
@@ -325,7 +328,7 @@ pub fn apply(store: &mut dyn StateStore, at: (&str, i64), tag: &str, change: &st
     let ops = ops(tag, change).map_err(|e| anyhow::anyhow!("keeping the table state at {}: {e}", at.0))?;
     for op in ops {
         match op {
-            StateOp::Upsert { table, key, row, relation } => store.upsert(&table, &key, row, relation)?,
+            StateOp::Upsert { table, key, row, relation, whole } => store.upsert(&table, &key, row, relation, whole)?,
             StateOp::Rekey { table, old, new } => store.rekey(&table, &old, &new)?,
             StateOp::Delete { table, key } => store.delete(&table, &key)?,
             StateOp::Truncate { tables } => {
@@ -341,11 +344,11 @@ pub fn apply(store: &mut dyn StateStore, at: (&str, i64), tag: &str, change: &st
                 store.add_schema(at, &new, None, change)?;
             }
             StateOp::DropColumn { table, column, change } => {
-                store.rewrite_rows(&table, &mut |row| edit_column(row, &column, None))?;
+                store.edit_column(&table, &column, None)?;
                 store.add_schema(at, &table, None, change)?;
             }
             StateOp::RenameColumn { table, old, new, change } => {
-                store.rewrite_rows(&table, &mut |row| edit_column(row, &old, Some(&new)))?;
+                store.edit_column(&table, &old, Some(&new))?;
                 store.add_schema(at, &table, None, change)?;
             }
         }
@@ -432,11 +435,12 @@ mod tests {
                 table: t(),
                 key: r#"[1,"x"]"#.into(),
                 row: r#"{"b":"x","a":1,"c":null}"#,
-                relation: REL
+                relation: REL,
+                whole: true,
             }]
         );
         let update = format!(r#"{{"tag":"update","relation":{REL},"key":null,"new":{{"a":1,"b":"x","c":2}}}}"#);
-        assert!(matches!(&ops("update", &update).unwrap()[..], [StateOp::Upsert { .. }]));
+        assert!(matches!(&ops("update", &update).unwrap()[..], [StateOp::Upsert { whole: false, .. }]));
         let moved = format!(r#"{{"tag":"update","relation":{REL},"key":{{"a":0,"b":"x"}},"new":{{"a":1,"b":"x"}}}}"#);
         assert_eq!(
             ops("update", &moved).unwrap()[0],
