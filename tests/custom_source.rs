@@ -415,3 +415,66 @@ async fn without_a_network_grant_the_plugin_reaches_nothing() {
     assert!(err.to_lowercase().contains("permission denied"), "{err}");
     assert!(up.connections().is_empty());
 }
+
+/// Sluice as zero-cache's upstream: a second Sluice, whose zero-custom-source
+/// plugin speaks zero-cache's side of the custom change-source protocol (an
+/// initial-sync connection, then a resume connection after the snapshot),
+/// follows the first one's `/changes/v0/stream` while it is still
+/// replicating. It initial-syncs from the first one's table state, then
+/// streams from its log, and ends with the same table state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sluice_serves_the_custom_protocol_from_its_table_state_and_log() {
+    init_logs();
+    let dir = tempfile::tempdir().unwrap();
+    let spec = LogSpec::new(Backend::Sqlite, dir.path());
+    // 300 transactions at 50/s: six seconds, far longer than the follower
+    // takes to start, so it joins in the middle.
+    let txs = 300;
+    let upstream = start_mock(
+        &spec,
+        json!({"transactions": txs, "rows_per_tx": 5, "tables": 2, "rate": 50}),
+        SandboxLimits::default(),
+    )
+    .await;
+    // Part of the stream is in the log before the follower starts.
+    let st = upstream.status.clone();
+    wait_until("the upstream to store 50 transactions", WAIT, || {
+        let last = st.snapshot().last_watermark.unwrap_or_default();
+        async move { last >= lexi(50) }
+    })
+    .await;
+    let config = json!({"url": format!("ws://{}", upstream.service.addr())}).to_string();
+    let grant = sluice::plugin::net::resolve(&sluice::plugin::net::config_endpoints(&config).unwrap()).unwrap();
+    let follower = start_sluice_with_grant(config, grant).await;
+    wait_stored(&upstream.status, &lexi(txs)).await;
+    // The follower's watermarks are the upstream's (its initial sync is
+    // stored at `W.01`).
+    let st = follower.status.clone();
+    wait_until("the follower to store everything", WAIT, || {
+        let last = st.snapshot().last_watermark.unwrap_or_default();
+        async move { last.as_str() >= lexi(txs).as_str() }
+    })
+    .await;
+    let (kept, theirs) = spec.state().await;
+    let (follower_kept, ours) = follower.spec().state().await;
+    assert!(kept && follower_kept);
+    assert_eq!(theirs.len(), txs as usize * 5);
+    let rows = |s: &[sluice::storage::StateRow]| {
+        s.iter().map(|r| (r.table.clone(), r.key.clone(), r.row.clone())).collect::<Vec<_>>()
+    };
+    assert_eq!(rows(&ours), rows(&theirs), "the follower holds the upstream's rows");
+    // The follower's first transaction was the initial sync, stored just
+    // after the upstream watermark it was taken at.
+    let follower_rows = follower.spec().rows().await;
+    let first = follower_rows.iter().find(|r| r.tag == "commit" && r.watermark.ends_with(".01")).unwrap();
+    let snapshot_at = first.watermark.trim_end_matches(".01");
+    assert!(snapshot_at >= lexi(50).as_str() && snapshot_at < lexi(txs).as_str(), "{snapshot_at}");
+    follower.spec().assert_whole().await;
+    // A consumer whose replica version predates the follower's lineage (its
+    // initial sync at `snapshot_at`) is told to start over.
+    let url =
+        format!("ws://{}/changes/v0/stream?appID=zero&shardNum=0&lastWatermark=01&replicaVersion=01", follower.addr);
+    let (mut ws, _) = tokio_tungstenite::connect_async(url).await.unwrap();
+    let first = futures::StreamExt::next(&mut ws).await.unwrap().unwrap().into_text().unwrap();
+    assert!(first.starts_with(r#"["control",{"tag":"reset-required""#), "{first}");
+}

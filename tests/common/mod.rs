@@ -152,6 +152,27 @@ impl LogSpec {
         other
     }
 
+    /// Every row of the log's table state, paged from one snapshot, with
+    /// whether the state is kept.
+    pub async fn state(&self) -> (bool, Vec<sluice::storage::StateRow>) {
+        let reader = self.reader();
+        tokio::task::spawn_blocking(move || {
+            let mut snapshot = reader.snapshot().unwrap();
+            let kept = snapshot.state_kept().unwrap();
+            let mut rows = Vec::new();
+            loop {
+                let cursor = rows.last().map(|r: &sluice::storage::StateRow| (r.table.clone(), r.key.clone()));
+                let page = snapshot.state_rows(cursor.as_ref().map(|(t, k)| (t.as_str(), k.as_str())), 1000).unwrap();
+                if page.is_empty() {
+                    return (kept, rows);
+                }
+                rows.extend(page);
+            }
+        })
+        .await
+        .unwrap()
+    }
+
     /// A reader of the log (no writer).
     pub fn reader(&self) -> Arc<dyn LogReader> {
         match &self.pg {

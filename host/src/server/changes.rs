@@ -122,8 +122,13 @@ pub async fn snapshot(
 /// Closes with 1002 and `Error: <message>`, cut to 123 bytes like Zero's `elide`.
 pub async fn close_with_error(mut socket: WebSocket, message: &str) {
     tracing::info!("closing subscriber connection: {message}");
+    let _ = socket.send(error_close(message)).await;
+}
+
+/// The close frame [`close_with_error`] sends.
+pub fn error_close(message: &str) -> Message {
     let reason = elide(&format!("Error: {message}"), 123);
-    let _ = socket.send(Message::Close(Some(CloseFrame { code: PROTOCOL_ERROR, reason: reason.into() }))).await;
+    Message::Close(Some(CloseFrame { code: PROTOCOL_ERROR, reason: reason.into() }))
 }
 
 fn elide(s: &str, max: usize) -> String {

@@ -1,8 +1,10 @@
-//! The HTTP endpoint: health checks, `GET /status`, and the subscriber
-//! WebSocket protocol in `changes`.
+//! The HTTP endpoint: health checks, `GET /status`, the subscriber
+//! WebSocket protocol in `changes`, and Zero's custom change-source protocol
+//! (Sluice as zero-cache's upstream) in `upstream`.
 
 pub mod changes;
 pub mod outbox;
+pub mod upstream;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -35,6 +37,7 @@ pub fn router(state: AppState) -> Router {
         .route("/status", get(status_json))
         .route("/replication/{version}/changes", get(changes::changes))
         .route("/replication/{version}/snapshot", get(changes::snapshot))
+        .route("/changes/v0/stream", get(upstream::stream))
         .with_state(state)
 }
 

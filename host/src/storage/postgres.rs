@@ -135,6 +135,15 @@ const STATE_KEPT: &str = r#"(SELECT count(*) FROM {s}."stateConfig" c
       JOIN {s}."replicationConfig" r ON r."replicaVersion" = c."replicaVersion"
       JOIN {s}."replicationState" st ON st."lastWatermark" = c."stateWatermark")"#;
 
+async fn state_kept(c: &Client, s: &str) -> anyhow::Result<bool> {
+    let kept: i64 = c
+        .query_one(&format!("SELECT {}", STATE_KEPT.replace("{s}", s)), &[])
+        .await
+        .map_err(|e| classify(e, "reading the table state's lineage"))?
+        .get(0);
+    Ok(kept > 0)
+}
+
 impl PostgresChangeLog {
     /// Connects and creates the schema if it does not exist.
     /// [`PostgresChangeLog::open`], waiting out a change DB that cannot be
@@ -181,14 +190,7 @@ impl PostgresChangeLog {
     pub fn with_table_state(mut self, on: bool) -> anyhow::Result<Self> {
         self.state_enabled = on;
         let s = self.schema.clone();
-        let kept = self.run(async |c| {
-            let kept: i64 = c
-                .query_one(&format!("SELECT {}", STATE_KEPT.replace("{s}", &s)), &[])
-                .await
-                .map_err(|e| classify(e, "reading the table state's lineage"))?
-                .get(0);
-            Ok(kept > 0)
-        })?;
+        let kept = self.run(async |c| state_kept(c, &s).await)?;
         if on && !kept && self.state()?.is_some() {
             tracing::warn!("the table state is kept from the change log's next lineage on (this one began without it)");
         } else if !on {
@@ -459,12 +461,8 @@ impl ChangeLog for PostgresChangeLog {
                 .query_opt(&format!(r#"SELECT "owner" FROM {s}."replicationState" FOR UPDATE"#), &[])
                 .await
                 .map_err(|e| classify(e, "locking replicationState"))?;
-            let kept: i64 = c
-                .query_one(&format!("SELECT {}", STATE_KEPT.replace("{s}", &s)), &[])
-                .await
-                .map_err(|e| classify(e, "reading the table state's lineage"))?
-                .get(0);
-            Ok((row.and_then(|r| r.get::<_, Option<String>>(0)), kept > 0))
+            let kept = state_kept(c, &s).await?;
+            Ok((row.and_then(|r| r.get::<_, Option<String>>(0)), kept))
         });
         match owner {
             Ok((owner, kept)) => {
@@ -495,12 +493,7 @@ impl ChangeLog for PostgresChangeLog {
             c.batch_execute("ROLLBACK TO SAVEPOINT upstream_tx; RELEASE SAVEPOINT upstream_tx")
                 .await
                 .map_err(|e| classify(e, "ROLLBACK TO SAVEPOINT"))?;
-            let kept: i64 = c
-                .query_one(&format!("SELECT {}", STATE_KEPT.replace("{s}", &s)), &[])
-                .await
-                .map_err(|e| classify(e, "reading the table state's lineage"))?
-                .get(0);
-            Ok(kept > 0)
+            state_kept(c, &s).await
         })?;
         self.keep_state = self.state_enabled && kept;
         Ok(())
@@ -745,13 +738,7 @@ impl LogSnapshot for PgSnapshot {
     }
 
     fn state_kept(&mut self) -> anyhow::Result<bool> {
-        let sql = format!("SELECT {}", STATE_KEPT.replace("{s}", &self.schema));
-        let kept: i64 = self
-            .rt
-            .block_on(self.client.query_one(&sql, &[]))
-            .map_err(|e| classify(e, "reading the table state's lineage"))?
-            .get(0);
-        Ok(kept > 0)
+        self.rt.block_on(state_kept(&self.client, &self.schema))
     }
 
     fn state_schema(&mut self) -> anyhow::Result<Vec<String>> {
