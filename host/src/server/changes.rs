@@ -307,12 +307,8 @@ async fn pump(
                 }
             }
             _ = ping.tick() => {
-                if !alive {
-                    return "no pong or message since the last ping".into();
-                }
-                alive = false;
-                if tx.send(Message::Ping(Default::default())).await.is_err() {
-                    return "ping failed".into();
+                if let Err(e) = ping_peer(&mut alive, &mut tx).await {
+                    return e;
                 }
             }
         }
@@ -355,6 +351,19 @@ async fn until_closed<E: std::fmt::Display>(
             tokio::time::sleep(Duration::from_secs(1)).await;
         } => Err("closed while the peer was not reading".into()),
     }
+}
+
+/// A ping, unless nothing (not even a pong) came since the last one: then
+/// the peer is gone.
+pub async fn ping_peer(
+    alive: &mut bool,
+    tx: &mut futures::stream::SplitSink<WebSocket, Message>,
+) -> Result<(), String> {
+    if !*alive {
+        return Err("no pong or message since the last ping".into());
+    }
+    *alive = false;
+    tx.send(Message::Ping(Default::default())).await.map_err(|_| "ping failed".to_string())
 }
 
 fn normal_close() -> Message {

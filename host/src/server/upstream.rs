@@ -245,12 +245,8 @@ async fn pump(
                 }
             }
             _ = ping.tick() => {
-                if !alive {
-                    return "no pong or message since the last ping".into();
-                }
-                alive = false;
-                if tx.send(Message::Ping(Default::default())).await.is_err() {
-                    return "ping failed".into();
+                if let Err(e) = super::changes::ping_peer(&mut alive, &mut tx).await {
+                    return e;
                 }
             }
         }
