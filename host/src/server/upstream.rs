@@ -26,7 +26,6 @@ use futures::{SinkExt, StreamExt};
 
 use super::changes::{close_with_error, MAX_PROTOCOL};
 use super::AppState;
-use crate::storage::LogSnapshot;
 use crate::subscriber::{Connection, Frame, Mode, Subscriber};
 
 /// State rows read per page of an initial sync.
@@ -165,7 +164,7 @@ async fn initial_sync(tx: &mut SplitSink<WebSocket, Message>, app: &AppState) ->
         }
         tx.flush().await.map_err(send_err)?;
     }
-    drop::<Box<dyn LogSnapshot>>(snapshot);
+    drop(snapshot);
     tx.send(text(format!(r#"["commit",{{"tag":"commit"}},{{"watermark":"{w}"}}]"#))).await.map_err(send_err)?;
     Ok(w)
 }
@@ -191,7 +190,7 @@ async fn pump(
     loop {
         tokio::select! {
             frame = conn.frames.recv() => match frame {
-                Some(Frame::Message { json, commit }) => {
+                Some(Frame::Message { json, .. }) => {
                     // The change-streamer's greeting (`["status",{"tag":
                     // "status"}]`) has no place in this protocol, whose
                     // status messages carry a watermark.
@@ -208,7 +207,6 @@ async fn pump(
                     // middle of the next transaction, whose commit it has
                     // not sent. A consumer that stops reading still hits the
                     // subscriber limits (its frames queue unsent).
-                    let _ = commit;
                     sub.consumed(json.len(), None);
                 }
                 Some(Frame::Error(json)) => {
