@@ -161,20 +161,22 @@ impl Upstream {
         let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(socket, callback).await else { return };
         let last = query_param(&query, "lastWatermark");
         let mut pending: Vec<Tx> = Vec::new();
-        let mut next = {
+        let (me, mut next) = {
             let mut st = self.state.lock().unwrap();
             st.connections.push(query.clone());
+            let me = st.connections.len();
             if last.is_none() {
                 pending.extend(st.snapshot.clone());
             }
-            match &last {
+            let next = match &last {
                 // Never reaches the history.
                 None if st.snapshot_only_on_initial => usize::MAX,
                 None => 0,
                 Some(l) => {
                     st.history.iter().position(|t| t.watermark.as_str() > l.as_str()).unwrap_or(st.history.len())
                 }
-            }
+            };
+            (me, next)
         };
         loop {
             // Everything appended so far, then wait for more.
@@ -187,11 +189,18 @@ impl Upstream {
             for tx in pending.drain(..) {
                 let fault = {
                     let mut st = self.state.lock().unwrap();
-                    let i = st.faults.iter().position(|f| match f {
-                        Fault::CutInside(w)
-                        | Fault::MalformedBefore(w)
-                        | Fault::FrameBefore(_, w)
-                        | Fault::StallBefore(w) => *w == tx.watermark,
+                    // Faults are for the client's current connection. One it
+                    // has replaced may not have seen its close yet, and must
+                    // not use up a fault meant for its successor.
+                    let newest = st.connections.len() == me;
+                    let i = st.faults.iter().position(|f| {
+                        newest
+                            && match f {
+                                Fault::CutInside(w)
+                                | Fault::MalformedBefore(w)
+                                | Fault::FrameBefore(_, w)
+                                | Fault::StallBefore(w) => *w == tx.watermark,
+                            }
                     });
                     i.map(|i| st.faults.remove(i))
                 };
