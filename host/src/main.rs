@@ -94,6 +94,13 @@ struct RunArgs {
     /// lineage.
     #[arg(long)]
     table_state: bool,
+    /// Zero's permissions (compiled rules, a JSON object `{"tables": ...}`)
+    /// for the `<app>.permissions` row Sluice serves a zero-cache whose
+    /// upstream lacks Zero's tables. Without it the row holds NULL
+    /// permissions, which zero-cache treats as no rules: clients' ad-hoc
+    /// queries see no rows (see docs/zero-cache.md).
+    #[arg(long)]
+    zero_permissions: Option<PathBuf>,
     /// SQLite durability: `full` (default; commits survive power loss) or
     /// `normal` (commits survive a crash of Sluice, not of the machine).
     #[arg(long, default_value = "full")]
@@ -224,6 +231,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         "normal" => Durability::Normal,
         other => anyhow::bail!("--sync {other}: expected full or normal"),
     };
+    let zero_permissions =
+        args.zero_permissions.as_deref().map(sluice::server::zero_tables::Permissions::from_file).transpose()?;
     let limits = SandboxLimits {
         call_deadline: Duration::from_millis(args.plugin_deadline_ms),
         memory_bytes: args.plugin_memory_mb << 20,
@@ -313,6 +322,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             ..sluice::subscriber::Limits::default()
         },
         filters,
+        zero_permissions,
         log_progress: true,
         ..ServiceConfig::new(source, log, reader)
     };

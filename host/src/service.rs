@@ -48,6 +48,9 @@ pub struct ServiceConfig {
     pub subscriber_limits: crate::subscriber::Limits,
     pub ping_interval: Duration,
     pub filters: Arc<FilterHost>,
+    /// The permissions row Sluice serves to a zero-cache whose upstream
+    /// lacks Zero's tables (`None`: NULL permissions).
+    pub zero_permissions: Option<crate::server::zero_tables::Permissions>,
     /// One line of progress every 10 s while transactions are stored.
     pub log_progress: bool,
 }
@@ -67,6 +70,7 @@ impl ServiceConfig {
             subscriber_limits: crate::subscriber::Limits::default(),
             ping_interval: Duration::from_secs(30),
             filters: FilterHost::none(),
+            zero_permissions: None,
             log_progress: false,
         }
     }
@@ -116,6 +120,7 @@ impl Service {
             subscriber_limits: config.subscriber_limits,
             ping_interval: config.ping_interval,
             filters: config.filters,
+            zero_permissions: config.zero_permissions.map(Arc::new),
         };
         let (addr, serve) = crate::server::bind(&config.listen, crate::server::router(app), stop_rx.clone()).await?;
         if let Some(cleanup) = config.cleanup {

@@ -5,6 +5,7 @@
 pub mod changes;
 pub mod outbox;
 pub mod upstream;
+pub mod zero_tables;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -28,6 +29,9 @@ pub struct AppState {
     pub ping_interval: std::time::Duration,
     /// Subscriber filters (`FilterHost::none()` without a plugin directory).
     pub filters: Arc<crate::filter::FilterHost>,
+    /// The permissions row of Zero's tables when Sluice declares them for
+    /// a zero-cache (`--zero-permissions`).
+    pub zero_permissions: Option<Arc<zero_tables::Permissions>>,
 }
 
 pub fn router(state: AppState) -> Router {

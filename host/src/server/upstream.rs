@@ -25,7 +25,7 @@ use futures::stream::SplitSink;
 use futures::{SinkExt, StreamExt};
 
 use super::changes::{close_with_error, MAX_PROTOCOL};
-use super::AppState;
+use super::{zero_tables, AppState};
 use crate::subscriber::{Connection, Frame, Mode, Subscriber};
 
 /// State rows read per page of an initial sync.
@@ -91,7 +91,7 @@ async fn serve(socket: WebSocket, request: StreamRequest, app: AppState) {
     };
     let (mut tx, rx) = socket.split();
     let start = match request.resume {
-        None => match initial_sync(&mut tx, &app).await {
+        None => match initial_sync(&mut tx, &app, &request).await {
             Ok(w) => {
                 tracing::info!(%consumer, watermark = %w, "initial sync sent from the table state");
                 w
@@ -124,7 +124,11 @@ async fn serve(socket: WebSocket, request: StreamRequest, app: AppState) {
 
 /// Sends the table state as one transaction at the log's last watermark,
 /// which it returns.
-async fn initial_sync(tx: &mut SplitSink<WebSocket, Message>, app: &AppState) -> Result<String, String> {
+async fn initial_sync(
+    tx: &mut SplitSink<WebSocket, Message>,
+    app: &AppState,
+    request: &StreamRequest,
+) -> Result<String, String> {
     let reader = app.hub.reader().clone();
     let blocking = |e: tokio::task::JoinError| e.to_string();
     let (mut snapshot, schema) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
@@ -142,7 +146,9 @@ async fn initial_sync(tx: &mut SplitSink<WebSocket, Message>, app: &AppState) ->
     let w = snapshot.last_watermark().to_string();
     let send_err = |e: axum::Error| format!("sending the initial sync: {e}");
     tx.feed(text(format!(r#"["begin",{{"tag":"begin"}},{{"commitWatermark":"{w}"}}]"#))).await.map_err(send_err)?;
-    for change in schema {
+    let zero_tables =
+        zero_tables::missing(&schema, &request.app_id, &request.shard_num, app.zero_permissions.as_deref());
+    for change in schema.iter().chain(&zero_tables) {
         tx.feed(text(format!(r#"["data",{change}]"#))).await.map_err(send_err)?;
     }
     let mut after: Option<(String, String)> = None;

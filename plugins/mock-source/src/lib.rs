@@ -10,7 +10,10 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
-use sluice_plugin_sdk::types::{Begin, Commit, Insert, KeyType, Message, PluginError, Relation, Value};
+use sluice_plugin_sdk::types::{
+    Begin, ColumnSpec, Commit, CreateTable, IndexSpec, Insert, KeyType, Message, PluginError, Relation, SchemaChange,
+    SortOrder, TableSpec, Value,
+};
 use sluice_plugin_sdk::watermark::{from_lexi, to_lexi};
 use sluice_plugin_sdk::{Resume, Source};
 
@@ -35,6 +38,12 @@ struct Config {
     /// Put the wall-clock time the commit was produced into the commit
     /// (`{"sentAtUs": ...}`), for latency measurements.
     timestamps: bool,
+    /// Declare the tables in transaction 1 (`create-table` and a unique
+    /// `create-index` per table, before its rows), as a real source's
+    /// snapshot does, so consumers that build tables (zero-cache) can.
+    /// Column `big` then holds 2^52 + id instead of 2^60 + id: Zero's
+    /// clients refuse numbers beyond 2^53.
+    schema: bool,
 }
 
 impl Default for Config {
@@ -54,6 +63,7 @@ impl Default for Config {
             rollback_every: None,
             interrupt_every: None,
             timestamps: false,
+            schema: false,
         }
     }
 }
@@ -137,12 +147,69 @@ impl State {
             table,
             vec![
                 Value::Int(id as i64),
-                // Beyond 2^53 so consumers check big integers stay exact.
-                Value::Int((1i64 << 60) + id as i64),
+                // Beyond 2^53 so consumers check big integers stay exact;
+                // below it with `schema`, for consumers that serve Zero's
+                // clients, which refuse numbers a double cannot hold.
+                Value::Int((1i64 << if cfg.schema { 52 } else { 60 }) + id as i64),
                 Value::Text(payload),
                 Value::Text(lexi(tx)),
             ],
         )
+    }
+
+    /// Schema messages at the start of transaction `tx`.
+    fn schema_messages(&self, tx: u64) -> u32 {
+        if self.config.schema && tx == 1 {
+            2 * self.config.tables
+        } else {
+            0
+        }
+    }
+
+    /// Messages in transaction `tx`, begin and commit included.
+    fn messages_in(&self, tx: u64) -> u32 {
+        self.schema_messages(tx) + self.config.rows_per_tx + 2
+    }
+
+    /// The table declaration (`k` even) or its unique key index (`k` odd)
+    /// of table `k / 2`.
+    fn schema_message(&self, k: u32) -> Message {
+        let table = self.table_name(k / 2);
+        let change = if k % 2 == 0 {
+            let column = |pos: i32, name: &str, data_type: &str| ColumnSpec {
+                name: name.into(),
+                pos,
+                data_type: data_type.into(),
+                not_null: Some(name == "id"),
+                default: None,
+                character_max_length: None,
+                pg_type_class: Some("b".into()),
+                elem_pg_type_class: None,
+            };
+            SchemaChange::CreateTable(CreateTable {
+                spec: TableSpec {
+                    schema: "public".into(),
+                    name: table,
+                    columns: vec![
+                        column(1, "id", "int8"),
+                        column(2, "big", "int8"),
+                        column(3, "payload", "text"),
+                        column(4, "tx", "text"),
+                    ],
+                    primary_key: Some(vec!["id".into()]),
+                },
+                metadata: None,
+            })
+        } else {
+            SchemaChange::CreateIndex(IndexSpec {
+                schema: "public".into(),
+                name: format!("{table}_pkey"),
+                table_name: table,
+                unique: true,
+                columns: vec![("id".into(), SortOrder::Asc)],
+            })
+        };
+        Message::Schema(change)
     }
 
     fn message_at(&self, tx: u64, k: u32) -> Message {
@@ -150,6 +217,11 @@ impl State {
         if k == 0 {
             return Message::Begin(Begin { commit_watermark: lexi(tx), extra: None });
         }
+        let ddl = self.schema_messages(tx);
+        if k <= ddl {
+            return self.schema_message(k - 1);
+        }
+        let k = k - ddl;
         if k <= rows {
             let (table, values) = self.row(tx, k - 1);
             return Message::Insert(Insert { relation: table, new: values });
@@ -256,7 +328,6 @@ impl Source for State {
             }
             st.declared = true;
         }
-        let per_tx = st.config.rows_per_tx + 2;
         while (out.len() as u32) < max && !st.finished() {
             // Faults fire at the start of a call, so everything sent before them
             // reached the host (an interrupted transaction really is open there).
@@ -288,7 +359,7 @@ impl Source for State {
             }
             out.push(st.message_at(tx, k));
             st.messages_sent += 1;
-            if k + 1 == per_tx {
+            if k + 1 == st.messages_in(tx) {
                 st.next_tx += 1;
                 st.emitted_in_tx = None;
                 st.txs_since_open += 1;

@@ -1,0 +1,32 @@
+// A Zero client (Zero's own `Zero` class from @rocicorp/zero 1.9.0, with an
+// in-memory store) that queries one table through a zero-cache and prints
+// the table's rows as one JSON line whenever they change.
+//
+// usage: node zero-client.mjs SERVER TABLE COLUMNS_JSON
+//   SERVER        zero-cache's address, e.g. http://127.0.0.1:4870
+//   TABLE         the table to query (the replica's name, e.g. `items`)
+//   COLUMNS_JSON  {"column": "string" | "number" | "boolean" | "json", ...};
+//                 the first column is the primary key
+// Prints {"rows": [...]} lines (rows ordered by the key); exits on SIGTERM.
+import { WebSocket } from 'ws';
+import { Zero, createSchema, table, string, number, boolean, json } from '@rocicorp/zero';
+
+// Node 20 has no WebSocket global; Zero's client needs one.
+globalThis.WebSocket ??= WebSocket;
+
+const [server, tableName, columnsJson] = process.argv.slice(2);
+const columns = JSON.parse(columnsJson);
+const types = { string, number, boolean, json };
+const key = Object.keys(columns)[0];
+const spec = Object.fromEntries(Object.entries(columns).map(([c, t]) => [c, types[t]()]));
+const schema = createSchema({
+  tables: [table(tableName).columns(spec).primaryKey(key)],
+  enableLegacyQueries: true,
+});
+
+const z = new Zero({ server, userID: 'sluice-test', schema, kvStore: 'mem', logLevel: 'error' });
+const view = z.materialize(z.query[tableName].orderBy(key, 'asc'));
+view.addListener((rows) => {
+  process.stdout.write(JSON.stringify({ rows }, (_, v) => (typeof v === 'bigint' ? v.toString() : v)) + '\n');
+});
+process.on('SIGTERM', () => { view.destroy(); z.close().finally(() => process.exit(0)); });
