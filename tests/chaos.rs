@@ -1009,6 +1009,7 @@ async fn fuzz_subscriber_endpoint() {
         subscriber_limits: sluice::subscriber::Limits::default(),
         ping_interval: Duration::from_secs(30),
         filters: sluice::filter::FilterHost::none(),
+        zero_permissions: None,
     };
     let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
     tokio::spawn(serve);

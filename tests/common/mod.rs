@@ -8,6 +8,7 @@ pub mod process;
 pub mod replica;
 pub mod restartable;
 pub mod ws;
+pub mod zero_cache;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -514,6 +515,7 @@ pub async fn serve_hub(hub: Arc<sluice::hub::Hub>, status: Arc<Status>) -> Serve
         subscriber_limits: sluice::subscriber::Limits::default(),
         ping_interval: Duration::from_secs(30),
         filters: sluice::filter::FilterHost::none(),
+        zero_permissions: None,
     };
     let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
     tokio::spawn(serve);

@@ -2,11 +2,11 @@
 // in-memory store) that queries one table through a zero-cache and prints
 // the table's rows as one JSON line whenever they change.
 //
-// usage: node zero-client.mjs SERVER TABLE COLUMNS_JSON
+// usage: node zero-client.mjs SERVER TABLE KEY COLUMNS_JSON
 //   SERVER        zero-cache's address, e.g. http://127.0.0.1:4870
 //   TABLE         the table to query (the replica's name, e.g. `items`)
-//   COLUMNS_JSON  {"column": "string" | "number" | "boolean" | "json", ...};
-//                 the first column is the primary key
+//   KEY           its primary key column
+//   COLUMNS_JSON  {"column": "string" | "number" | "boolean" | "json", ...}
 // Prints {"rows": [...]} lines (rows ordered by the key); exits on SIGTERM.
 import { WebSocket } from 'ws';
 import { Zero, createSchema, table, string, number, boolean, json } from '@rocicorp/zero';
@@ -14,10 +14,9 @@ import { Zero, createSchema, table, string, number, boolean, json } from '@rocic
 // Node 20 has no WebSocket global; Zero's client needs one.
 globalThis.WebSocket ??= WebSocket;
 
-const [server, tableName, columnsJson] = process.argv.slice(2);
+const [server, tableName, key, columnsJson] = process.argv.slice(2);
 const columns = JSON.parse(columnsJson);
 const types = { string, number, boolean, json };
-const key = Object.keys(columns)[0];
 const spec = Object.fromEntries(Object.entries(columns).map(([c, t]) => [c, types[t]()]));
 const schema = createSchema({
   tables: [table(tableName).columns(spec).primaryKey(key)],

@@ -1,0 +1,206 @@
+//! A real zero-cache 1.9.0 replicating from Sluice through Zero's custom
+//! change-source protocol (`/changes/v0/stream`), and Zero's own client
+//! (the `Zero` class, in Node with an in-memory store) reading through it.
+//! Everything is real: PostgreSQL upstream, Sluice as a process (SIGKILLed
+//! in the middle), zero-cache as a process, Zero's client over its sync
+//! WebSocket. `make test` installs the npm package and starts PostgreSQL.
+
+mod common;
+
+use std::process::Child;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::zero_cache::{fresh_database, psql, psql_value, ZeroCache, ZeroClient};
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(90);
+
+/// Zero permissions that let anyone read `tables`.
+fn readable(tables: &[&str]) -> String {
+    let rules: serde_json::Map<String, Value> = tables
+        .iter()
+        .map(|t| (t.to_string(), json!({"row": {"select": [["allow", {"type": "and", "conditions": []}]]}})))
+        .collect();
+    json!({ "tables": rules }).to_string()
+}
+
+/// Sluice as a process, with the compacted table state zero-cache's initial
+/// sync is served from; its log goes to `dir/sluice.log`.
+fn spawn_sluice(dir: &std::path::Path, addr: &str, source: &str, config: &str) -> Child {
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("sluice.log")).unwrap();
+    common::process::sluice()
+        .args(["run", "--source", source, "--source-config", config, "--listen", addr, "--table-state"])
+        .arg("--plugins")
+        .arg(common::plugin_dir())
+        .arg("--change-db")
+        .arg(format!("sqlite:{}", dir.join("log.db").display()))
+        .arg("--zero-permissions")
+        .arg(dir.join("permissions.json"))
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap()
+}
+
+fn wait_for_lineage(addr: &str) {
+    let deadline = Instant::now() + WAIT;
+    while common::process::status(addr).and_then(|s| s["replicaVersion"].as_str().map(str::to_string)).is_none() {
+        assert!(Instant::now() < deadline, "Sluice at {addr} reports no replica version");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Postgres upstream -> Sluice (the built-in Postgres source) -> zero-cache
+/// -> Zero's client. The client sees the snapshot's rows with Zero's value
+/// types, then live inserts, updates and deletes, and a column added
+/// upstream. Then Sluice is SIGKILLed and restarted three times while the
+/// upstream keeps writing, and zero-cache's replica ends equal to the
+/// upstream, row by row, as does what the client shows.
+#[test]
+fn zero_cache_and_its_client_follow_postgres_through_sluice() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = common::pg_url();
+    psql(&server, "SELECT pg_drop_replication_slot('zc_pg') FROM pg_replication_slots WHERE slot_name = 'zc_pg'");
+    let up = fresh_database("zc_pg_upstream");
+    psql(
+        &up,
+        "CREATE TABLE items (id int8 PRIMARY KEY, name text, amount numeric(12,2), at timestamptz, \
+         doc json, ok bool, big int8)",
+    );
+    psql(
+        &up,
+        "INSERT INTO items VALUES \
+         (1, 'one', 12345.67, '2024-01-02 03:04:05.678+00', '{\"a\": [1, 2]}', true, 9007199254740991), \
+         (2, 'two', 0.10, '1999-12-31 23:59:59+00', '\"s\"', false, -9007199254740991), \
+         (3, 'three', NULL, NULL, NULL, NULL, NULL)",
+    );
+    std::fs::write(dir.path().join("permissions.json"), readable(&["items"])).unwrap();
+    let addr = common::process::free_addr();
+    let config = json!({ "url": up, "slot": "zc_pg" }).to_string();
+    let spawn = || spawn_sluice(dir.path(), &addr, "postgres", &config);
+    let mut sluice = spawn();
+    wait_for_lineage(&addr);
+
+    let zc = ZeroCache::start("zc_pg", &addr, dir.path());
+    let columns = [
+        ("id", "number"),
+        ("name", "string"),
+        ("amount", "number"),
+        ("at", "number"),
+        ("doc", "json"),
+        ("ok", "boolean"),
+        ("big", "number"),
+    ];
+    let mut client = ZeroClient::start(&zc, "items", &columns);
+    // Zero's value types: numbers (timestamps as epoch milliseconds, the
+    // largest safe integers exact), json as values, booleans.
+    let snapshot = json!([
+        {"id": 1, "name": "one", "amount": 12345.67, "at": 1704164645678i64, "doc": {"a": [1, 2]}, "ok": true,
+         "big": 9007199254740991i64},
+        {"id": 2, "name": "two", "amount": 0.1, "at": 946684799000i64, "doc": "s", "ok": false,
+         "big": -9007199254740991i64},
+        {"id": 3, "name": "three", "amount": null, "at": null, "doc": null, "ok": null, "big": null},
+    ]);
+    let rows = client.wait_rows("the snapshot's three rows", WAIT, |rows| rows.len() == 3);
+    assert_eq!(Value::Array(rows), snapshot);
+
+    // Live changes, in one transaction and then one by one.
+    psql(&up, "BEGIN; INSERT INTO items (id, name, big) VALUES (4, 'four', 4); UPDATE items SET name = 'uno' WHERE id = 1; COMMIT");
+    psql(&up, "DELETE FROM items WHERE id = 2");
+    let rows = client.wait_rows("the insert, update and delete", WAIT, |rows| {
+        let ids: Vec<i64> = rows.iter().filter_map(|r| r["id"].as_i64()).collect();
+        ids == [1, 3, 4] && rows[0]["name"] == "uno"
+    });
+    assert_eq!(
+        rows[2],
+        json!({"id": 4, "name": "four", "amount": null, "at": null, "doc": null, "ok": null, "big": 4})
+    );
+    assert_eq!(rows[0]["amount"], json!(12345.67));
+
+    // A column added upstream reaches zero-cache; a client that knows it
+    // reads it.
+    psql(&up, "ALTER TABLE items ADD COLUMN note text");
+    psql(&up, "UPDATE items SET note = 'added' WHERE id = 4");
+    let mut with_note = ZeroClient::start(&zc, "items", &[("id", "number"), ("note", "string")]);
+    with_note.wait_rows("the added column", WAIT, |rows| {
+        rows.len() == 3 && rows[2]["note"] == "added" && rows[0]["note"].is_null()
+    });
+
+    // Writes go on while Sluice is SIGKILLed and restarted three times.
+    let writing = Arc::new(AtomicBool::new(true));
+    let writer = {
+        let (up, writing) = (up.clone(), writing.clone());
+        std::thread::spawn(move || {
+            let mut i = 100;
+            while writing.load(Ordering::Relaxed) {
+                psql(
+                    &up,
+                    &format!(
+                        "BEGIN; INSERT INTO items (id, name, big, note) VALUES ({i}, 'n{i}', {i}, 'k'); \
+                         UPDATE items SET note = 'u{i}' WHERE id = {}; DELETE FROM items WHERE id = {} AND id % 3 = 0; COMMIT",
+                        i - 1,
+                        i - 5
+                    ),
+                );
+                i += 1;
+            }
+            i - 100
+        })
+    };
+    let mut rng = common::process::Rng::from_env("SLUICE_ZERO_CACHE_SEED", "zero-cache kill moments");
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(rng.range(300, 1500)));
+        sluice.kill().unwrap();
+        sluice.wait().unwrap();
+        std::thread::sleep(Duration::from_millis(rng.range(0, 500)));
+        sluice = spawn();
+    }
+    std::thread::sleep(Duration::from_millis(rng.range(300, 1000)));
+    writing.store(false, Ordering::Relaxed);
+    let written = writer.join().unwrap();
+    assert!(written >= 20, "the writer committed only {written} transactions while Sluice was killed");
+
+    // The upstream's rows, as zero-cache keeps them (integers as text).
+    let upstream = || -> Vec<Value> {
+        let text = psql_value(
+            &up,
+            "SELECT coalesce(json_agg(json_build_object('id', id::text, 'name', name, 'big', big::text, \
+             'note', note) ORDER BY id), '[]') FROM items",
+        );
+        serde_json::from_str::<Value>(&text).unwrap().as_array().unwrap().clone()
+    };
+    let want = upstream();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let replica: Vec<Value> = zc
+            .replica_rows("items", "id")
+            .into_iter()
+            .map(|r| json!({"id": r["id"], "name": r["name"], "big": r["big"], "note": r["note"]}))
+            .collect();
+        if replica == want {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "zero-cache's replica differs from the upstream:\nreplica: {replica:?}\nupstream: {want:?}\nzero-cache log ends:\n{}",
+            zc.log_text().chars().rev().take(3000).collect::<String>().chars().rev().collect::<String>()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The client shows the same rows.
+    let want_ids: Vec<i64> = want.iter().map(|r| r["id"].as_str().unwrap().parse().unwrap()).collect();
+    let rows = with_note.wait_rows("the upstream's final rows", WAIT, |rows| {
+        rows.iter().filter_map(|r| r["id"].as_i64()).collect::<Vec<_>>() == want_ids
+    });
+    for (got, want) in rows.iter().zip(&want) {
+        assert_eq!(got["note"], want["note"], "{got} vs {want}");
+    }
+    drop(with_note);
+    drop(client);
+    drop(zc);
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    psql(&server, "SELECT pg_drop_replication_slot('zc_pg') FROM pg_replication_slots WHERE slot_name = 'zc_pg'");
+}
