@@ -464,6 +464,19 @@ async fn a_sluice_serves_the_custom_protocol_from_its_table_state_and_log() {
     let rows = |s: &[sluice::storage::StateRow]| {
         s.iter().map(|r| (r.table.clone(), r.key.clone(), r.row.clone())).collect::<Vec<_>>()
     };
+    // The follower also holds Zero's tables, which the upstream declared in
+    // its initial sync because the mock source has none: the permissions
+    // row (NULL permissions, no --zero-permissions here).
+    let (zero, ours): (Vec<_>, Vec<_>) =
+        ours.into_iter().partition(|r| r.table.starts_with("[\"zero\"") || r.table.starts_with("[\"zero_0\""));
+    assert_eq!(
+        rows(&zero),
+        [(
+            "[\"zero\",\"permissions\"]".into(),
+            "[true]".into(),
+            r#"{"lock":true,"hash":null,"permissions":null}"#.into()
+        )]
+    );
     assert_eq!(rows(&ours), rows(&theirs), "the follower holds the upstream's rows");
     // The follower's first transaction was the initial sync, stored just
     // after the upstream watermark it was taken at.

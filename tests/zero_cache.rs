@@ -28,7 +28,7 @@ fn readable(tables: &[&str]) -> String {
 
 /// Sluice as a process, with the compacted table state zero-cache's initial
 /// sync is served from; its log goes to `dir/sluice.log`.
-fn spawn_sluice(dir: &std::path::Path, addr: &str, source: &str, config: &str) -> Child {
+fn spawn_sluice(dir: &std::path::Path, addr: &str, source: &str, config: &str, extra: &[&str]) -> Child {
     let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("sluice.log")).unwrap();
     common::process::sluice()
         .args(["run", "--source", source, "--source-config", config, "--listen", addr, "--table-state"])
@@ -38,16 +38,21 @@ fn spawn_sluice(dir: &std::path::Path, addr: &str, source: &str, config: &str) -
         .arg(format!("sqlite:{}", dir.join("log.db").display()))
         .arg("--zero-permissions")
         .arg(dir.join("permissions.json"))
+        .args(extra)
         .stdout(log.try_clone().unwrap())
         .stderr(log)
         .spawn()
         .unwrap()
 }
 
-fn wait_for_lineage(addr: &str) {
+fn wait_for_lineage(dir: &std::path::Path, addr: &str) {
     let deadline = Instant::now() + WAIT;
     while common::process::status(addr).and_then(|s| s["replicaVersion"].as_str().map(str::to_string)).is_none() {
-        assert!(Instant::now() < deadline, "Sluice at {addr} reports no replica version");
+        assert!(
+            Instant::now() < deadline,
+            "Sluice at {addr} reports no replica version; its log:\n{}",
+            std::fs::read_to_string(dir.join("sluice.log")).unwrap_or_default()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -79,9 +84,9 @@ fn zero_cache_and_its_client_follow_postgres_through_sluice() {
     std::fs::write(dir.path().join("permissions.json"), readable(&["items"])).unwrap();
     let addr = common::process::free_addr();
     let config = json!({ "url": up, "slot": "zc_pg" }).to_string();
-    let spawn = || spawn_sluice(dir.path(), &addr, "postgres", &config);
+    let spawn = || spawn_sluice(dir.path(), &addr, "postgres", &config, &[]);
     let mut sluice = spawn();
-    wait_for_lineage(&addr);
+    wait_for_lineage(dir.path(), &addr);
 
     let zc = ZeroCache::start("zc_pg", &addr, dir.path());
     let columns = [
@@ -203,4 +208,71 @@ fn zero_cache_and_its_client_follow_postgres_through_sluice() {
     sluice.kill().unwrap();
     sluice.wait().unwrap();
     psql(&server, "SELECT pg_drop_replication_slot('zc_pg') FROM pg_replication_slots WHERE slot_name = 'zc_pg'");
+}
+
+/// Mock source (declaring its table in transaction 1) -> Sluice -> zero-cache
+/// A. Once Sluice has purged its log past that declaration (A acks as it
+/// goes), zero-cache B initial-syncs from Sluice's table state, and both
+/// follow live to the end of the stream, each with its own position. Both
+/// replicas end with exactly the source's rows, and B's client sees them.
+#[test]
+fn a_second_zero_cache_initial_syncs_after_the_log_was_purged() {
+    const TRANSACTIONS: u64 = 500;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("permissions.json"), readable(&["table0"])).unwrap();
+    let addr = common::process::free_addr();
+    let config = json!({"transactions": TRANSACTIONS, "rows_per_tx": 2, "rate": 50, "schema": true}).to_string();
+    let mut sluice = spawn_sluice(dir.path(), &addr, "mock-source", &config, &["--purge-interval-secs", "1"]);
+    wait_for_lineage(dir.path(), &addr);
+    let a = ZeroCache::start("zc_mock_a", &addr, dir.path());
+
+    // Transaction 1, which declared the table, is purged.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let floor = common::process::status(&addr).and_then(|s| s["minWatermark"].as_str().map(str::to_string));
+        if floor.as_deref().is_some_and(|f| f > common::lexi(1).as_str()) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "Sluice never purged transaction 1 (floor {floor:?})");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let b = ZeroCache::start("zc_mock_b", &addr, dir.path());
+    let columns = [("id", "number"), ("big", "number"), ("payload", "string"), ("tx", "string")];
+    let mut client = ZeroClient::start(&b, "table0", &columns);
+    let rows_total = (TRANSACTIONS * 2) as usize;
+    let shown = client.wait_rows("every row of the stream", WAIT, |rows| rows.len() == rows_total);
+
+    // Each row is the source's: ids 0.., two per transaction.
+    let check = |rows: &[Value], what: &str| {
+        assert_eq!(rows.len(), rows_total, "{what}");
+        for (i, row) in rows.iter().enumerate() {
+            let tx = common::lexi(i as u64 / 2 + 1);
+            assert_eq!(row["id"].to_string().trim_matches('"'), i.to_string(), "{what}: {row}");
+            assert_eq!(row["tx"], tx.as_str(), "{what}: {row}");
+            assert_eq!(
+                row["big"].to_string().trim_matches('"'),
+                ((1u64 << 52) + i as u64).to_string(),
+                "{what}: {row}"
+            );
+        }
+    };
+    check(&shown, "B's client");
+    let deadline = Instant::now() + WAIT;
+    let (ra, rb) = loop {
+        let (ra, rb) = (a.replica_rows("table0", "id"), b.replica_rows("table0", "id"));
+        if ra.len() == rows_total && rb.len() == rows_total {
+            break (ra, rb);
+        }
+        assert!(Instant::now() < deadline, "replicas hold {} and {} of {rows_total} rows", ra.len(), rb.len());
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    check(&ra, "A's replica");
+    assert_eq!(ra, rb, "the two replicas differ");
+    for (row, seen) in rb.iter().zip(&shown) {
+        assert_eq!(row["payload"], seen["payload"]);
+    }
+    drop(client);
+    drop((a, b));
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
 }

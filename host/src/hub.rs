@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use crate::catchup;
 use crate::change::Change;
 use crate::forwarder::Forwarder;
+use crate::reservations::{Reservations, DEFAULT_RETENTION};
 use crate::status::Status;
 use crate::storage::LogReader;
 use crate::storer::{CatchupQueue, Storer};
@@ -21,6 +22,8 @@ pub struct Hub {
     inner: Mutex<Inner>,
     reader: Arc<dyn LogReader>,
     status: Arc<Status>,
+    /// Positions held for consumers between their connections.
+    reservations: Arc<Reservations>,
 }
 
 struct Inner {
@@ -46,6 +49,12 @@ enum StorerSlot {
 
 impl Hub {
     pub fn new(reader: Arc<dyn LogReader>, status: Arc<Status>) -> Arc<Hub> {
+        Hub::with_retention(reader, status, DEFAULT_RETENTION)
+    }
+
+    /// The same, keeping a disconnected consumer's position for `retention`
+    /// (see [`Reservations`]).
+    pub fn with_retention(reader: Arc<dyn LogReader>, status: Arc<Status>, retention: Duration) -> Arc<Hub> {
         Arc::new(Hub {
             inner: Mutex::new(Inner {
                 forwarder: Forwarder::default(),
@@ -54,7 +63,12 @@ impl Hub {
             }),
             reader,
             status,
+            reservations: Reservations::new(retention),
         })
+    }
+
+    pub fn reservations(&self) -> &Arc<Reservations> {
+        &self.reservations
     }
 
     /// For a change log other hosts may write (a Postgres change DB): hold
@@ -240,9 +254,11 @@ impl Hub {
         self.lock().forwarder.broadcast_targets()
     }
 
-    /// The lowest ack among connected subscribers, if any are connected.
+    /// The lowest ack among connected subscribers and reserved positions,
+    /// if there are any.
     pub fn min_ack(&self) -> Option<Arc<str>> {
-        self.lock().forwarder.subscribers().map(|s| s.acked()).min()
+        let acked = self.lock().forwarder.subscribers().map(|s| s.acked()).min();
+        acked.into_iter().chain(self.reservations.floor()).min()
     }
 
     pub fn check_laggards(&self, grace: Option<Duration>) {

@@ -13,6 +13,7 @@ pub mod filter;
 pub mod forwarder;
 pub mod hub;
 pub mod plugin;
+pub mod reservations;
 pub mod server;
 pub mod service;
 pub mod source;

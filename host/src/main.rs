@@ -101,6 +101,11 @@ struct RunArgs {
     /// queries see no rows (see docs/zero-cache.md).
     #[arg(long)]
     zero_permissions: Option<PathBuf>,
+    /// Seconds a zero-cache's position in the change log is kept after it
+    /// disconnects (and from the start of its initial sync), so it can
+    /// resume after a restart; later it must sync again.
+    #[arg(long, default_value_t = 600)]
+    consumer_retention_secs: u64,
     /// SQLite durability: `full` (default; commits survive power loss) or
     /// `normal` (commits survive a crash of Sluice, not of the machine).
     #[arg(long, default_value = "full")]
@@ -323,6 +328,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         },
         filters,
         zero_permissions,
+        consumer_retention: Duration::from_secs(args.consumer_retention_secs),
         log_progress: true,
         ..ServiceConfig::new(source, log, reader)
     };

@@ -51,6 +51,9 @@ pub struct ServiceConfig {
     /// The permissions row Sluice serves to a zero-cache whose upstream
     /// lacks Zero's tables (`None`: NULL permissions).
     pub zero_permissions: Option<crate::server::zero_tables::Permissions>,
+    /// How long a disconnected consumer's position is held (see
+    /// `crate::reservations`).
+    pub consumer_retention: Duration,
     /// One line of progress every 10 s while transactions are stored.
     pub log_progress: bool,
 }
@@ -71,6 +74,7 @@ impl ServiceConfig {
             ping_interval: Duration::from_secs(30),
             filters: FilterHost::none(),
             zero_permissions: None,
+            consumer_retention: crate::reservations::DEFAULT_RETENTION,
             log_progress: false,
         }
     }
@@ -112,7 +116,7 @@ impl Replication {
 impl Service {
     pub async fn start(config: ServiceConfig) -> anyhow::Result<Service> {
         let status = Arc::new(Status::default());
-        let hub = Hub::new(config.reader, status.clone());
+        let hub = Hub::with_retention(config.reader, status.clone(), config.consumer_retention);
         let (stop, stop_rx) = watch::channel(false);
         let app = AppState {
             hub: hub.clone(),

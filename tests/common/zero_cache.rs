@@ -141,7 +141,7 @@ impl ZeroCache {
                 "zero-cache {} did not log {line:?} ({}); its log ends:\n{}",
                 self.name,
                 exited.map_or("timed out".to_string(), |s| format!("exited: {s}")),
-                tail(&log, 4000)
+                tail(&log, 40000)
             );
             std::thread::sleep(Duration::from_millis(100));
         }

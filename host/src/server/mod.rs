@@ -17,7 +17,7 @@ use axum::{Json, Router};
 use tokio::sync::watch;
 
 use crate::hub::Hub;
-use crate::status::{Snapshot, Status};
+use crate::status::Status;
 use crate::subscriber;
 
 /// What request handlers share.
@@ -49,8 +49,20 @@ async fn ok() -> &'static str {
     "OK"
 }
 
-async fn status_json(State(state): State<AppState>) -> Json<Snapshot> {
-    Json(state.status.snapshot())
+/// The status snapshot, and the positions reserved for consumers.
+async fn status_json(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let mut status = serde_json::to_value(state.status.snapshot()).unwrap_or_default();
+    let reservations: Vec<serde_json::Value> = state
+        .hub
+        .reservations()
+        .list()
+        .into_iter()
+        .map(|(holder, watermark, connected)| serde_json::json!({"holder": holder, "watermark": watermark, "connected": connected}))
+        .collect();
+    if let Some(map) = status.as_object_mut() {
+        map.insert("reservations".into(), reservations.into());
+    }
+    Json(status)
 }
 
 /// Binds `addr` (so a taken port fails start-up with a clear error) and

@@ -26,6 +26,7 @@ use futures::{SinkExt, StreamExt};
 
 use super::changes::{close_with_error, MAX_PROTOCOL};
 use super::{zero_tables, AppState};
+use crate::reservations::Reservation;
 use crate::subscriber::{Connection, Frame, Mode, Subscriber};
 
 /// State rows read per page of an initial sync.
@@ -90,18 +91,27 @@ async fn serve(socket: WebSocket, request: StreamRequest, app: AppState) {
         return close_with_error(socket, "Sluice serves no lineage yet (its snapshot is not durable)").await;
     };
     let (mut tx, rx) = socket.split();
-    let start = match request.resume {
-        None => match initial_sync(&mut tx, &app, &request).await {
-            Ok(w) => {
-                tracing::info!(%consumer, watermark = %w, "initial sync sent from the table state");
-                w
+    let reservations = app.hub.reservations().clone();
+    // The consumer's position is held from before its initial sync is read
+    // until the retention period after it disconnects (crate::reservations).
+    let (start, reservation) = match request.resume {
+        None => {
+            let before = app.status.snapshot().last_watermark.unwrap_or_else(|| lineage.clone());
+            let during = reservations.reserve(&format!("{consumer} initial sync"), &before);
+            match initial_sync(&mut tx, &app, &request).await {
+                Ok(w) => {
+                    tracing::info!(%consumer, watermark = %w, "initial sync sent from the table state");
+                    let held = reservations.reserve(&format!("{consumer} @ {w}"), &w);
+                    drop(during);
+                    (w, held)
+                }
+                Err(e) => {
+                    tracing::warn!(%consumer, "initial sync failed: {e}");
+                    let _ = tx.send(super::changes::error_close(&e)).await;
+                    return;
+                }
             }
-            Err(e) => {
-                tracing::warn!(%consumer, "initial sync failed: {e}");
-                let _ = tx.send(super::changes::error_close(&e)).await;
-                return;
-            }
-        },
+        }
         Some((last, replica_version)) => {
             // A consumer's replica version is the watermark of its initial
             // sync: one from before this lineage began cannot continue.
@@ -111,13 +121,14 @@ async fn serve(socket: WebSocket, request: StreamRequest, app: AppState) {
                 let _ = tx.send(reset_required(&why)).await;
                 return;
             }
-            last
+            let held = reservations.reserve(&format!("{consumer} @ {replica_version}"), &last);
+            (last, held)
         }
     };
     let (sub, conn) =
         Subscriber::new(consumer.clone(), consumer.clone(), Mode::Serving, MAX_PROTOCOL, start, app.subscriber_limits);
     app.hub.subscribe(sub.clone(), &lineage);
-    let reason = pump(tx, rx, &sub, conn, app.ping_interval).await;
+    let reason = pump(tx, rx, &sub, conn, &reservation, app.ping_interval).await;
     app.hub.unsubscribe(&sub);
     tracing::info!(%consumer, acked = %sub.acked(), "upstream consumer disconnected: {reason}");
 }
@@ -189,6 +200,7 @@ async fn pump(
     mut rx: futures::stream::SplitStream<WebSocket>,
     sub: &Arc<Subscriber>,
     mut conn: Connection,
+    reservation: &Reservation,
     ping_every: std::time::Duration,
 ) -> String {
     let mut alive = true;
@@ -232,7 +244,10 @@ async fn pump(
                 match msg {
                     Some(Ok(Message::Text(t))) => match parse_status(&t) {
                         // The consumer's durable position: the purge floor.
-                        Ok(w) => sub.consumed(0, Some(&Arc::from(w.as_str()))),
+                        Ok(w) => {
+                            reservation.advance(&w);
+                            sub.consumed(0, Some(&Arc::from(w.as_str())));
+                        }
                         Err(e) => {
                             let _ = tx.send(super::changes::error_close(&e)).await;
                             return e;

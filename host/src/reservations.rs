@@ -1,0 +1,134 @@
+//! Positions in the change log held for consumers between connections.
+//!
+//! A connected subscriber holds the purge floor with its ack. A zero-cache
+//! that takes Sluice as its upstream is not always connected: it closes the
+//! initial-sync connection and opens a streaming one, and it restarts on
+//! deploys. Each of its connections therefore holds a reservation at its
+//! position (the initial sync's watermark, then its acks), and the
+//! reservation outlives the connection by the retention period, so a
+//! consumer that comes back within it finds the log where it left it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a consumer's position is kept after it disconnects, unless
+/// configured otherwise.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(600);
+
+pub struct Reservations {
+    entries: Mutex<HashMap<u64, Entry>>,
+    next_id: AtomicU64,
+    retention: Duration,
+}
+
+struct Entry {
+    /// Who holds it (for `/status` and logs), e.g. `zero-cache zero_0 @ 0a`.
+    holder: String,
+    watermark: Arc<str>,
+    released_at: Option<Instant>,
+}
+
+/// One connection's reservation; released (and kept for the retention
+/// period) when dropped.
+pub struct Reservation {
+    owner: Arc<Reservations>,
+    id: u64,
+}
+
+impl Reservations {
+    pub fn new(retention: Duration) -> Arc<Reservations> {
+        Arc::new(Reservations { entries: Mutex::default(), next_id: AtomicU64::new(0), retention })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Holds the log from `watermark` on for `holder`. Released
+    /// reservations of the same holder at or below `watermark` are
+    /// superseded: the holder came back and holds its position again.
+    pub fn reserve(self: &Arc<Self>, holder: &str, watermark: &str) -> Reservation {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut entries = self.lock();
+        entries.retain(|_, e| !(e.holder == holder && e.released_at.is_some() && *e.watermark <= *watermark));
+        entries.insert(id, Entry { holder: holder.to_string(), watermark: Arc::from(watermark), released_at: None });
+        Reservation { owner: self.clone(), id }
+    }
+
+    /// The lowest reserved watermark, dropping reservations released longer
+    /// than the retention period ago.
+    pub fn floor(&self) -> Option<Arc<str>> {
+        let now = Instant::now();
+        let mut entries = self.lock();
+        entries.retain(|_, e| e.released_at.is_none_or(|at| now.duration_since(at) < self.retention));
+        entries.values().map(|e| e.watermark.clone()).min()
+    }
+
+    /// Reservations held now: (holder, watermark, connected).
+    pub fn list(&self) -> Vec<(String, String, bool)> {
+        let _ = self.floor();
+        let mut out: Vec<_> = self
+            .lock()
+            .values()
+            .map(|e| (e.holder.clone(), e.watermark.to_string(), e.released_at.is_none()))
+            .collect();
+        out.sort();
+        out
+    }
+}
+
+impl Reservation {
+    /// The holder has what precedes `watermark` durably: hold from there.
+    pub fn advance(&self, watermark: &str) {
+        if let Some(e) = self.owner.lock().get_mut(&self.id) {
+            if *e.watermark < *watermark {
+                e.watermark = Arc::from(watermark);
+            }
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some(e) = self.owner.lock().get_mut(&self.id) {
+            e.released_at = Some(Instant::now());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reservation_holds_until_its_retention_ends() {
+        let r = Reservations::new(Duration::from_millis(200));
+        assert_eq!(r.floor(), None);
+        let a = r.reserve("a", "05");
+        let b = r.reserve("b", "03");
+        assert_eq!(r.floor().as_deref(), Some("03"));
+        b.advance("07");
+        b.advance("06"); // never back
+        assert_eq!(r.floor().as_deref(), Some("05"));
+        drop(a);
+        // Released, but kept.
+        assert_eq!(r.floor().as_deref(), Some("05"));
+        assert_eq!(r.list(), [("a".into(), "05".into(), false), ("b".into(), "07".into(), true)]);
+        std::thread::sleep(Duration::from_millis(250));
+        assert_eq!(r.floor().as_deref(), Some("07"));
+    }
+
+    #[test]
+    fn a_holder_that_comes_back_supersedes_its_released_reservation() {
+        let r = Reservations::new(Duration::from_secs(60));
+        drop(r.reserve("zc", "03"));
+        drop(r.reserve("other", "02"));
+        let again = r.reserve("zc", "04");
+        assert_eq!(r.list().len(), 2);
+        drop(r.reserve("other-lower", "01"));
+        assert_eq!(r.floor().as_deref(), Some("01"));
+        drop(again);
+    }
+}
