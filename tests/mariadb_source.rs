@@ -229,15 +229,20 @@ async fn ddl_in_the_middle_of_the_stream_becomes_schema_changes() {
     assert_eq!(
         r.schema_changes,
         [
+            // Each table comes with the unique index over its primary key.
             "create-table", // the snapshot
+            "create-index",
             "add-column",
             "update-column",
             "create-table",
+            "create-index",
             "rename-table",
             "drop-column",
             "create-table",
+            "create-index",
             "drop-table",
             "create-table",
+            "create-index",
         ]
     );
     assert!(r.rows("msrc_ddl.gone").is_empty());

@@ -276,3 +276,66 @@ fn a_second_zero_cache_initial_syncs_after_the_log_was_purged() {
     sluice.kill().unwrap();
     sluice.wait().unwrap();
 }
+
+/// MariaDB (the mariadb-source plugin) -> Sluice -> zero-cache -> Zero's
+/// client: MariaDB's types arrive as Zero's value types, and a column
+/// added upstream reaches the client.
+#[test]
+fn zero_cache_and_its_client_follow_mariadb_through_sluice() {
+    let m = common::mariadb::shared();
+    let db = "zc_maria";
+    m.database(db);
+    m.sql(&format!(
+        "CREATE TABLE {db}.items (id bigint unsigned PRIMARY KEY, name varchar(20), price decimal(10,2), \
+         at datetime(3), ts timestamp(3) NULL, kind enum('a','b'), tags set('x','y'), flags bit(4), \
+         data blob, doc json); \
+         SET time_zone = '+00:00'; \
+         INSERT INTO {db}.items VALUES (9007199254740991, 'one', 12345678.91, '2024-01-02 03:04:05.678', \
+         '2024-01-02 03:04:05.678', 'b', 'x,y', b'1010', x'0102', '{{\"k\": 1}}'), \
+         (2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("permissions.json"), readable(&[&format!("{db}.items")])).unwrap();
+    let addr = common::process::free_addr();
+    let config = m.config(&[db]).to_string();
+    let mut sluice = spawn_sluice(dir.path(), &addr, "mariadb-source", &config, &[]);
+    wait_for_lineage(dir.path(), &addr);
+    let zc = ZeroCache::start("zc_maria", &addr, dir.path());
+    let columns = [
+        ("id", "number"),
+        ("name", "string"),
+        ("price", "number"),
+        // Not `at` and `ts` yet: the plugin sends MariaDB's datetimes as
+        // text, which Zero's clients refuse for a timestamp column (a known
+        // gap, docs/zero-cache.md).
+        ("kind", "string"),
+        ("tags", "string"),
+        ("flags", "number"),
+        ("doc", "string"),
+    ];
+    let table = format!("{db}.items");
+    let mut client = ZeroClient::start(&zc, &table, &columns);
+    let rows = client.wait_rows("the snapshot's rows", WAIT, |rows| rows.len() == 2);
+    let mut first = rows[1].clone();
+    if let Some(row) = first.as_object_mut() {
+        row.remove("at");
+        row.remove("ts");
+    }
+    assert_eq!(
+        first,
+        json!({"id": 9007199254740991u64, "name": "one", "price": 12345678.91, "kind": "b", "tags": "x,y", "flags": 10, "doc": "{\"k\": 1}"})
+    );
+    assert_eq!(rows[0]["id"], 2);
+    assert!(rows[0]["name"].is_null() && rows[0]["price"].is_null());
+
+    // Live, and a column added upstream.
+    m.sql(&format!("UPDATE {db}.items SET name = 'two' WHERE id = 2; INSERT INTO {db}.items (id) VALUES (3)"));
+    client.wait_rows("the update and the insert", WAIT, |rows| rows.len() == 3 && rows[0]["name"] == "two");
+    m.sql(&format!("ALTER TABLE {db}.items ADD COLUMN note varchar(10)"));
+    m.sql(&format!("UPDATE {db}.items SET note = 'added' WHERE id = 3"));
+    let mut with_note = ZeroClient::start(&zc, &table, &[("id", "number"), ("note", "string")]);
+    with_note.wait_rows("the added column", WAIT, |rows| rows.len() == 3 && rows[1]["note"] == "added");
+    drop((client, with_note, zc));
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+}

@@ -4,7 +4,8 @@
 //
 // usage: node zero-client.mjs SERVER TABLE KEY COLUMNS_JSON
 //   SERVER        zero-cache's address, e.g. http://127.0.0.1:4870
-//   TABLE         the table to query (the replica's name, e.g. `items`)
+//   TABLE         the table to query (the replica's name, e.g. `items`, or
+//                 `shop.items` for a table outside Postgres' `public` schema)
 //   KEY           its primary key column
 //   COLUMNS_JSON  {"column": "string" | "number" | "boolean" | "json", ...}
 // Prints {"rows": [...]} lines (rows ordered by the key); exits on SIGTERM.
@@ -18,13 +19,16 @@ const [server, tableName, key, columnsJson] = process.argv.slice(2);
 const columns = JSON.parse(columnsJson);
 const types = { string, number, boolean, json };
 const spec = Object.fromEntries(Object.entries(columns).map(([c, t]) => [c, types[t]()]));
+// Zero's client names cannot hold a dot: `shop.items` is queried as
+// `shop_items`, mapped to the server's name.
+const clientName = tableName.replaceAll('.', '_');
 const schema = createSchema({
-  tables: [table(tableName).columns(spec).primaryKey(key)],
+  tables: [table(clientName).from(tableName).columns(spec).primaryKey(key)],
   enableLegacyQueries: true,
 });
 
 const z = new Zero({ server, userID: 'sluice-test', schema, kvStore: 'mem', logLevel: 'error' });
-const view = z.materialize(z.query[tableName].orderBy(key, 'asc'));
+const view = z.materialize(z.query[clientName].orderBy(key, 'asc'));
 view.addListener((rows) => {
   process.stdout.write(JSON.stringify({ rows }, (_, v) => (typeof v === 'bigint' ? v.toString() : v)) + '\n');
 });

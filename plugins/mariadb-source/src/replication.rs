@@ -16,8 +16,8 @@ use crate::tables::{column_spec, table_name, Tables};
 use crate::wire::Poll;
 use crate::{check_server, watermark, Config, GtidPos};
 use sluice_plugin_sdk::types::{
-    AddColumn, Begin, Commit, Control, CreateTable, Delete, DropColumn, Insert, Message, PluginError, RenameTable,
-    SchemaChange, Truncate, Update, UpdateColumn, Value,
+    AddColumn, Begin, Commit, Control, Delete, DropColumn, Insert, Message, PluginError, RenameTable, SchemaChange,
+    Truncate, Update, UpdateColumn, Value,
 };
 
 /// How long an idle `next-batch` waits for an event.
@@ -335,8 +335,7 @@ impl Replication {
                 if cap(&table) {
                     self.begin(out)?;
                     self.tables.set(&table, columns, primary_key);
-                    let spec = self.tables.spec(&table);
-                    out.push(Message::Schema(SchemaChange::CreateTable(CreateTable { spec, metadata: None })));
+                    crate::tables::declaration(self.tables.spec(&table), out);
                 }
             }
             Ddl::DropTables(tables) => {

@@ -13,7 +13,7 @@ use crate::replication::Replication;
 use crate::tables::Tables;
 use crate::types::{decode_text, ColType};
 use crate::{check_server, to_lexi, watermark, Config, GtidPos};
-use sluice_plugin_sdk::types::{Begin, Commit, CreateTable, Insert, Message, PluginError, SchemaChange};
+use sluice_plugin_sdk::types::{Begin, Commit, Insert, Message, PluginError};
 
 /// How long one `next-batch` reads rows before handing them over.
 const BATCH_TIME: Duration = Duration::from_millis(250);
@@ -146,10 +146,7 @@ impl Snapshot {
                 let types = columns.iter().map(|c| c.ty.clone()).collect();
                 self.tables.set(&t, columns, pk.clone());
                 let relation = self.tables.declare(&t, names.clone(), pk, out);
-                out.push(Message::Schema(SchemaChange::CreateTable(CreateTable {
-                    spec: self.tables.spec(&t),
-                    metadata: None,
-                })));
+                crate::tables::declaration(self.tables.spec(&t), out);
                 let list: Vec<String> = names.iter().map(|n| ident(n)).collect();
                 let sql = format!("SELECT {} FROM {}.{}", list.join(", "), ident(&t.db), ident(&t.table));
                 let n = client.start_query(&sql).map_err(transient(&endpoint, &sql))?;

@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 
 use crate::ddl::{ColumnDef, TableRef};
-use sluice_plugin_sdk::types::{ColumnSpec, KeyType, Message, Relation, TableName, TableSpec};
+use sluice_plugin_sdk::types::{
+    ColumnSpec, CreateTable, IndexSpec, KeyType, Message, Relation, SchemaChange, SortOrder, TableName, TableSpec,
+};
 
 #[derive(Default)]
 pub struct Tables {
@@ -161,4 +163,20 @@ pub fn column_spec(c: &ColumnDef, pos: usize) -> ColumnSpec {
 
 pub fn table_name(t: &TableRef) -> TableName {
     TableName { schema: t.db.clone(), name: t.table.clone() }
+}
+
+/// A table's declaration, and the unique index over its primary key (which
+/// replicas such as zero-cache need to sync a table to clients).
+pub fn declaration(spec: TableSpec, out: &mut Vec<Message>) {
+    let index = spec.primary_key.as_ref().filter(|k| !k.is_empty()).map(|key| IndexSpec {
+        schema: spec.schema.clone(),
+        name: format!("{}_pkey", spec.name),
+        table_name: spec.name.clone(),
+        unique: true,
+        columns: key.iter().map(|c| (c.clone(), SortOrder::Asc)).collect(),
+    });
+    out.push(Message::Schema(SchemaChange::CreateTable(CreateTable { spec, metadata: None })));
+    if let Some(index) = index {
+        out.push(Message::Schema(SchemaChange::CreateIndex(index)));
+    }
 }

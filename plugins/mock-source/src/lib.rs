@@ -175,7 +175,7 @@ impl State {
     /// of table `k / 2`.
     fn schema_message(&self, k: u32) -> Message {
         let table = self.table_name(k / 2);
-        let change = if k % 2 == 0 {
+        let change = if k.is_multiple_of(2) {
             let column = |pos: i32, name: &str, data_type: &str| ColumnSpec {
                 name: name.into(),
                 pos,
