@@ -3,9 +3,13 @@
 //! value for the same stored datum, so a replica cannot tell whether a row
 //! came from the snapshot or from the stream.
 //!
-//! Text forms: DATE `2024-01-31`, DATETIME `2024-01-31 12:34:56.789` (as
-//! many fraction digits as the column has), TIMESTAMP the same in UTC with
-//! `+00` appended, TIME `-838:59:59.000000`; DECIMAL keeps its scale.
+//! Dates and times are numbers, as Zero's replicas read them and as the
+//! Postgres source sends them: DATE, DATETIME and TIMESTAMP are milliseconds
+//! since the epoch (fractional for microseconds; DATETIME has no zone and
+//! is read as UTC, TIMESTAMP is UTC), TIME is milliseconds since midnight
+//! (negative and beyond 24 hours as MariaDB allows). MariaDB's zero dates
+//! (`0000-00-00`, and dates with a zero month or day) have no instant and
+//! stay text. DECIMAL keeps its scale.
 
 use crate::wire::{Cursor, Res};
 use crate::Value;
@@ -213,49 +217,32 @@ pub fn decode_binary(c: &mut Cursor, ty: &ColType) -> Res<Value> {
         ColType::Double => Value::Float(f64::from_le_bytes(c.bytes(8)?.try_into().map_err(|_| "double")?)),
         ColType::Decimal { precision, scale } => Value::Numeric(decimal(c, *precision, *scale)?),
         ColType::Date => {
-            let v = c.u24()?;
-            Value::Other(format!("{:04}-{:02}-{:02}", v >> 9, (v >> 5) & 15, v & 31))
+            let v = c.u24()? as i64;
+            DateTime::at((v >> 9, (v >> 5) & 15, v & 31), (0, 0, 0), 0).value(0)
         }
         ColType::DateTime { fsp } => {
             let packed = c.uint_be(5)? as i64 - 0x80_0000_0000;
-            let frac = fraction(c, *fsp)?;
+            let micros = fraction(c, *fsp)?;
             let ymd = packed >> 17;
             let ym = ymd >> 5;
             let hms = packed & 0x1_ffff;
-            Value::Other(format!(
-                "{:04}-{:02}-{:02} {:02}:{:02}:{:02}{}",
-                ym / 13,
-                ym % 13,
-                ymd & 31,
-                hms >> 12,
-                (hms >> 6) & 63,
-                hms & 63,
-                frac_text(frac, *fsp)
-            ))
+            DateTime::at((ym / 13, ym % 13, ymd & 31), (hms >> 12, (hms >> 6) & 63, hms & 63), micros).value(*fsp)
         }
         ColType::Timestamp { fsp } => {
             let secs = c.uint_be(4)? as i64;
-            let frac = fraction(c, *fsp)?;
-            Value::Other(timestamp_text(secs, frac, *fsp))
+            let micros = fraction(c, *fsp)?;
+            timestamp(secs, micros, *fsp)
         }
-        ColType::Time { fsp } => Value::Other(time2(c, *fsp)?),
+        ColType::Time { fsp } => Value::Float(time2_millis(c, *fsp)?),
         ColType::DateTimeV1 => {
-            let v = c.u64()?;
+            let v = c.u64()? as i64;
             let (d, t) = (v / 1_000_000, v % 1_000_000);
-            Value::Other(format!(
-                "{:04}-{:02}-{:02} {:02}:{:02}:{:02}",
-                d / 10000,
-                d / 100 % 100,
-                d % 100,
-                t / 10000,
-                t / 100 % 100,
-                t % 100
-            ))
+            DateTime::at((d / 10000, d / 100 % 100, d % 100), (t / 10000, t / 100 % 100, t % 100), 0).value(0)
         }
-        ColType::TimestampV1 => Value::Other(timestamp_text(c.u32()? as i64, 0, 0)),
+        ColType::TimestampV1 => timestamp(c.u32()? as i64, 0, 0),
         ColType::TimeV1 => {
-            let v = c.u24()?;
-            Value::Other(format!("{:02}:{:02}:{:02}", v / 10000, v / 100 % 100, v % 100))
+            let v = c.u24()? as i64;
+            Value::Float(((v / 10000 * 3600 + v / 100 % 100 * 60 + v % 100) * 1000) as f64)
         }
         ColType::VarString { max_len, binary, latin1 } => {
             let n = if *max_len > 255 { c.u16()? as usize } else { c.u8()? as usize };
@@ -294,9 +281,22 @@ pub fn decode_text(raw: Option<&[u8]>, ty: &ColType) -> Res<Value> {
         ColType::Int { .. } | ColType::Year => Value::Int(s()?.parse().map_err(|e| format!("{e}"))?),
         ColType::Float | ColType::Double => Value::Float(s()?.parse().map_err(|e| format!("{e}"))?),
         ColType::Decimal { .. } => Value::Numeric(s()?.to_string()),
-        ColType::Timestamp { .. } | ColType::TimestampV1 => Value::Other(format!("{}+00", s()?)),
-        ColType::Date | ColType::DateTime { .. } | ColType::Time { .. } | ColType::DateTimeV1 | ColType::TimeV1 => {
-            Value::Other(s()?.to_string())
+        // The snapshot's session reads TIMESTAMPs in UTC, so all three are
+        // the same calendar text.
+        ColType::Date
+        | ColType::DateTime { .. }
+        | ColType::DateTimeV1
+        | ColType::Timestamp { .. }
+        | ColType::TimestampV1 => {
+            let text = s()?;
+            match DateTime::parse(text) {
+                Some(at) => at.value(0),
+                None => Value::Other(text.to_string()),
+            }
+        }
+        ColType::Time { .. } | ColType::TimeV1 => {
+            let text = s()?;
+            Value::Float(time_text_millis(text).ok_or_else(|| format!("TIME {text:?}"))?)
         }
         ColType::VarString { binary: true, .. }
         | ColType::Char { binary: true, .. }
@@ -344,39 +344,93 @@ fn fraction(c: &mut Cursor, fsp: u8) -> Res<u64> {
     })
 }
 
-fn frac_text(micros: u64, fsp: u8) -> String {
-    if fsp == 0 {
-        return String::new();
-    }
-    let digits = format!("{micros:06}");
-    format!(".{}", &digits[..(fsp as usize).min(6)])
+/// A calendar date and time of day (UTC) with microseconds, as MariaDB
+/// stores DATETIME and shows TIMESTAMP.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct DateTime {
+    ymd: (i64, i64, i64),
+    hms: (i64, i64, i64),
+    micros: u64,
 }
 
-fn timestamp_text(secs: i64, micros: u64, fsp: u8) -> String {
+impl DateTime {
+    fn at(ymd: (i64, i64, i64), hms: (i64, i64, i64), micros: u64) -> DateTime {
+        DateTime { ymd, hms, micros }
+    }
+
+    /// `YYYY-MM-DD[ HH:MM:SS[.ffffff]]`.
+    fn parse(text: &str) -> Option<DateTime> {
+        let (date, clock) = text.split_once(' ').unwrap_or((text, "00:00:00"));
+        let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+        let ymd = (d.next()??, d.next()??, d.next()??);
+        let (clock, frac) = clock.split_once('.').unwrap_or((clock, ""));
+        let mut t = clock.splitn(3, ':').map(|p| p.parse::<i64>().ok());
+        let hms = (t.next()??, t.next()??, t.next()??);
+        Some(DateTime { ymd, hms, micros: micros_of(frac)? })
+    }
+
+    /// Milliseconds since the epoch, or the text for a zero date, which
+    /// names no instant.
+    fn value(self, fsp: u8) -> Value {
+        let (y, m, d) = self.ymd;
+        if m == 0 || d == 0 {
+            let (h, mi, s) = self.hms;
+            let frac =
+                if fsp == 0 { String::new() } else { format!(".{:06}", self.micros)[..=fsp as usize].to_string() };
+            return Value::Other(format!("{y:04}-{m:02}-{d:02} {h:02}:{mi:02}:{s:02}{frac}"));
+        }
+        let (h, mi, s) = self.hms;
+        let secs = days_from_civil(y, m, d) * 86_400 + h * 3600 + mi * 60 + s;
+        Value::Float(millis(secs, self.micros))
+    }
+}
+
+/// A TIMESTAMP's seconds since the epoch; zero is MariaDB's zero timestamp.
+fn timestamp(secs: i64, micros: u64, fsp: u8) -> Value {
     if secs == 0 && micros == 0 {
-        return format!("0000-00-00 00:00:00{}+00", frac_text(0, fsp));
+        return DateTime::at((0, 0, 0), (0, 0, 0), 0).value(fsp);
     }
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    let (y, m, d) = civil_from_days(days);
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}{}+00", rem / 3600, rem / 60 % 60, rem % 60, frac_text(micros, fsp))
+    Value::Float(millis(secs, micros))
 }
 
-/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian.
-fn civil_from_days(z: i64) -> (i64, i64, i64) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (if m <= 2 { y + 1 } else { y }, m, d)
+fn millis(secs: i64, micros: u64) -> f64 {
+    // Exact up to 2^53 microseconds (the year 2255), then rounded once.
+    (secs as f64 * 1_000_000.0 + micros as f64) / 1000.0
 }
 
-fn time2(c: &mut Cursor, fsp: u8) -> Res<String> {
+/// Fraction digits (up to six) to microseconds.
+fn micros_of(frac: &str) -> Option<u64> {
+    if frac.len() > 6 || !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(format!("{frac:0<6}").parse().unwrap_or(0))
+}
+
+/// `[-]HHH:MM:SS[.ffffff]` to milliseconds.
+fn time_text_millis(text: &str) -> Option<f64> {
+    let (neg, body) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (clock, frac) = body.split_once('.').unwrap_or((body, ""));
+    let mut t = clock.splitn(3, ':').map(|p| p.parse::<i64>().ok());
+    let secs = t.next()?? * 3600 + t.next()?? * 60 + t.next()??;
+    let ms = millis(secs, micros_of(frac)?);
+    Some(if neg { -ms } else { ms })
+}
+
+/// Days from 1970-01-01 to a proleptic Gregorian date.
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+fn time2_millis(c: &mut Cursor, fsp: u8) -> Res<f64> {
     // MariaDB's packed TIME2: a 24-bit biased integer part and a fraction
     // whose encoding depends on the precision.
     let packed: i64 = match fsp {
@@ -404,16 +458,11 @@ fn time2(c: &mut Cursor, fsp: u8) -> Res<String> {
     };
     let neg = packed < 0;
     let abs = packed.unsigned_abs();
-    let hms = abs >> 24;
+    let hms = (abs >> 24) as i64;
     let micros = abs % (1 << 24);
-    Ok(format!(
-        "{}{:02}:{:02}:{:02}{}",
-        if neg { "-" } else { "" },
-        (hms >> 12) % (1 << 10),
-        (hms >> 6) % 64,
-        hms % 64,
-        frac_text(micros, fsp)
-    ))
+    let secs = (hms >> 12) % (1 << 10) * 3600 + (hms >> 6) % 64 * 60 + hms % 64;
+    let ms = millis(secs, micros);
+    Ok(if neg { -ms } else { ms })
 }
 
 /// MariaDB's binary DECIMAL: groups of nine digits in four bytes, a shorter
@@ -492,10 +541,21 @@ mod tests {
     }
 
     #[test]
-    fn days_to_dates() {
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
-        assert_eq!(timestamp_text(1_704_067_200 + 3661, 123_000, 3), "2024-01-01 01:01:01.123+00");
+    fn dates_and_times_are_milliseconds() {
+        assert_eq!(days_from_civil(1970, 1, 1), 0);
+        assert_eq!(days_from_civil(2024, 1, 1), 19_723);
+        let at = DateTime::parse("2024-01-02 03:04:05.678").unwrap();
+        assert!(matches!(at.value(3), Value::Float(ms) if ms == 1_704_164_645_678.0));
+        assert!(matches!(timestamp(1_704_067_200 + 3661, 123_456, 6), Value::Float(ms) if ms == 1_704_070_861_123.456));
+        assert!(
+            matches!(DateTime::parse("2024-02-29").unwrap().value(0), Value::Float(ms) if ms == 1_709_164_800_000.0)
+        );
+        assert!(
+            matches!(DateTime::parse("0000-00-00 00:00:00").unwrap().value(0), Value::Other(t) if t == "0000-00-00 00:00:00")
+        );
+        assert!(matches!(timestamp(0, 0, 2), Value::Other(t) if t == "0000-00-00 00:00:00.00"));
+        assert_eq!(time_text_millis("-838:59:59"), Some(-3_020_399_000.0));
+        assert_eq!(time_text_millis("12:34:56.78"), Some(45_296_780.0));
     }
 
     #[test]
