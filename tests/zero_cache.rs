@@ -27,15 +27,19 @@ fn readable(tables: &[&str]) -> String {
 }
 
 /// Sluice as a process, with the compacted table state zero-cache's initial
-/// sync is served from; its log goes to `dir/sluice.log`.
+/// sync is served from; its log goes to `dir/sluice.log`, its change log to
+/// `dir/log.db` unless `extra` names another.
 fn spawn_sluice(dir: &std::path::Path, addr: &str, source: &str, config: &str, extra: &[&str]) -> Child {
     let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("sluice.log")).unwrap();
-    common::process::sluice()
+    let mut command = common::process::sluice();
+    command
         .args(["run", "--source", source, "--source-config", config, "--listen", addr, "--table-state"])
         .arg("--plugins")
-        .arg(common::plugin_dir())
-        .arg("--change-db")
-        .arg(format!("sqlite:{}", dir.join("log.db").display()))
+        .arg(common::plugin_dir());
+    if !extra.contains(&"--change-db") {
+        command.arg("--change-db").arg(format!("sqlite:{}", dir.join("log.db").display()));
+    }
+    command
         .arg("--zero-permissions")
         .arg(dir.join("permissions.json"))
         .args(extra)
@@ -275,6 +279,81 @@ fn a_second_zero_cache_initial_syncs_after_the_log_was_purged() {
     drop((a, b));
     sluice.kill().unwrap();
     sluice.wait().unwrap();
+}
+
+/// Sluice's change log is lost and rebuilt (a new lineage, from a new
+/// snapshot of the upstream) while a zero-cache that synced from the old
+/// one is away. When it comes back with its old replica version, Sluice
+/// tells it `reset-required`; zero-cache shuts down for its auto-reset,
+/// and on restart syncs again from the new lineage, including what the
+/// upstream wrote in between, then follows live.
+#[test]
+fn a_zero_cache_from_another_lineage_is_reset_and_syncs_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = common::pg_url();
+    let drop_slot =
+        "SELECT pg_drop_replication_slot('zc_lineage') FROM pg_replication_slots WHERE slot_name = 'zc_lineage'";
+    psql(&server, drop_slot);
+    let up = fresh_database("zc_lineage_upstream");
+    psql(&up, "CREATE TABLE items (id int8 PRIMARY KEY, name text); INSERT INTO items VALUES (1, 'a'), (2, 'b')");
+    std::fs::write(dir.path().join("permissions.json"), readable(&["items"])).unwrap();
+    let addr = common::process::free_addr();
+    let config = json!({ "url": up, "slot": "zc_lineage" }).to_string();
+    let spawn = |log: &str| {
+        let change_db = format!("sqlite:{}", dir.path().join(log).display());
+        spawn_sluice(dir.path(), &addr, "postgres", &config, &["--change-db", &change_db])
+    };
+    let mut sluice = spawn("first.db");
+    wait_for_lineage(dir.path(), &addr);
+    let first_lineage = common::process::status(&addr).unwrap()["replicaVersion"].as_str().unwrap().to_string();
+    let mut zc = ZeroCache::start("zc_lineage", &addr, dir.path());
+    let replica_version = |zc: &ZeroCache| {
+        zc.replica_rows("_zero.replicationConfig", "replicaVersion")[0]["replicaVersion"].as_str().unwrap().to_string()
+    };
+    let synced_at = replica_version(&zc);
+    assert!(synced_at >= first_lineage, "zero-cache's replica version {synced_at} is of Sluice's lineage");
+    let names = |zc: &ZeroCache| -> Vec<(String, Value)> {
+        zc.replica_rows("items", "id")
+            .iter()
+            .map(|r| (r["id"].as_str().unwrap_or("?").to_string(), r["name"].clone()))
+            .collect()
+    };
+    assert_eq!(names(&zc), [("1".into(), json!("a")), ("2".into(), json!("b"))]);
+
+    // The change log is lost; the upstream goes on; a new Sluice builds a
+    // new lineage from a new slot.
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    psql(&server, drop_slot);
+    psql(&up, "INSERT INTO items VALUES (3, 'c'); UPDATE items SET name = 'A' WHERE id = 1");
+    let mut sluice = spawn("second.db");
+    wait_for_lineage(dir.path(), &addr);
+    let second_lineage = common::process::status(&addr).unwrap()["replicaVersion"].as_str().unwrap().to_string();
+    assert!(second_lineage > synced_at, "the new lineage {second_lineage} starts after {synced_at}");
+
+    // zero-cache reconnects on its own, is told to reset, and shuts down.
+    zc.wait_for_log("shutting down for auto-reset", WAIT);
+    zc.wait_exit(WAIT);
+    let log = std::fs::read_to_string(dir.path().join("sluice.log")).unwrap();
+    assert!(
+        log.contains(&format!("replica version {synced_at} predates the change log's lineage {second_lineage}")),
+        "{log}"
+    );
+    // Restarted (as its orchestrator would), it syncs the new lineage.
+    zc.restart(&addr);
+    let resynced_at = replica_version(&zc);
+    assert!(resynced_at >= second_lineage, "zero-cache's replica version {resynced_at} is of the new lineage");
+    assert_eq!(names(&zc), [("1".into(), json!("A")), ("2".into(), json!("b")), ("3".into(), json!("c"))]);
+    psql(&up, "DELETE FROM items WHERE id = 2");
+    let deadline = Instant::now() + WAIT;
+    while names(&zc).len() != 2 {
+        assert!(Instant::now() < deadline, "the live delete never reached zero-cache: {:?}", names(&zc));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(zc);
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    psql(&server, drop_slot);
 }
 
 /// MariaDB (the mariadb-source plugin) -> Sluice -> zero-cache -> Zero's

@@ -90,20 +90,67 @@ impl ZeroCache {
     /// in `dir`, and waits until it is ready, which includes its initial
     /// sync.
     pub fn start(name: &str, sluice: &str, dir: &Path) -> ZeroCache {
-        let cvr = fresh_database(&format!("{name}_cvr"));
-        let change = fresh_database(&format!("{name}_change"));
+        fresh_database(&format!("{name}_cvr"));
+        fresh_database(&format!("{name}_change"));
         let port = free_port_pair();
         let replica = dir.join(format!("{name}-replica.db"));
         let log = dir.join(format!("{name}.log"));
-        let out = std::fs::File::create(&log).unwrap();
-        let child = Command::new("node")
+        std::fs::write(&log, "").unwrap();
+        let child = Self::spawn(name, sluice, port, &replica, &log);
+        let mut zc = ZeroCache { child, name: name.to_string(), port, replica, log };
+        zc.wait_for_log("zero-cache ready", Duration::from_secs(120));
+        zc
+    }
+
+    /// Starts it again after it exited (as an orchestrator would), with
+    /// its databases, replica file and ports, and waits until it is ready.
+    pub fn restart(&mut self, sluice: &str) {
+        stop_group(&mut self.child, Duration::from_secs(10));
+        let log = std::fs::OpenOptions::new().append(true).open(&self.log).unwrap();
+        let before = log.metadata().map(|m| m.len() as usize).unwrap_or(0);
+        drop(log);
+        self.child = Self::spawn(&self.name, sluice, self.port, &self.replica, &self.log);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !self.log_text().get(before..).unwrap_or("").contains("zero-cache ready") {
+            let exited = self.child.try_wait().unwrap();
+            assert!(
+                exited.is_none() && Instant::now() < deadline,
+                "zero-cache {} did not get ready again ({exited:?}); its log ends:\n{}",
+                self.name,
+                tail(&self.log_text(), 40000)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Waits until the process exits on its own; its status.
+    pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "zero-cache {} is still running; its log ends:\n{}",
+                self.name,
+                tail(&self.log_text(), 40000)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn spawn(name: &str, sluice: &str, port: u16, replica: &Path, log: &Path) -> Child {
+        let url = |db: &str| format!("{}/{name}_{db}", super::pg_url().rsplit_once('/').unwrap().0);
+        let out = std::fs::OpenOptions::new().create(true).append(true).open(log).unwrap();
+        Command::new("node")
             .arg(interop_dir().join("node_modules/@rocicorp/zero/out/zero/src/cli.js"))
             .current_dir(interop_dir())
             .env("ZERO_UPSTREAM_TYPE", "custom")
             .env("ZERO_UPSTREAM_DB", format!("ws://{sluice}/changes/v0/stream"))
-            .env("ZERO_CVR_DB", cvr)
-            .env("ZERO_CHANGE_DB", change)
-            .env("ZERO_REPLICA_FILE", &replica)
+            .env("ZERO_CVR_DB", url("cvr"))
+            .env("ZERO_CHANGE_DB", url("change"))
+            .env("ZERO_REPLICA_FILE", replica)
             .env("ZERO_PORT", port.to_string())
             .env("ZERO_NUM_SYNC_WORKERS", "1")
             .env("ZERO_ADMIN_PASSWORD", "sluice-test")
@@ -112,10 +159,7 @@ impl ZeroCache {
             .stderr(out)
             .process_group(0)
             .spawn()
-            .expect("node is installed");
-        let mut zc = ZeroCache { child, name: name.to_string(), port, replica, log };
-        zc.wait_for_log("zero-cache ready", Duration::from_secs(120));
-        zc
+            .expect("node is installed")
     }
 
     pub fn server(&self) -> String {
