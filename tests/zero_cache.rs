@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::zero_cache::{fresh_database, psql, psql_value, ZeroCache, ZeroClient};
+use common::zero_cache::{fresh_database, psql, psql_value, start_on_sluice, ZeroCache, ZeroClient};
 use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(90);
@@ -92,7 +92,7 @@ fn zero_cache_and_its_client_follow_postgres_through_sluice() {
     let mut sluice = spawn();
     wait_for_lineage(dir.path(), &addr);
 
-    let zc = ZeroCache::start("zc_pg", &addr, dir.path());
+    let zc = start_on_sluice("zc_pg", &addr, dir.path());
     let columns = [
         ("id", "number"),
         ("name", "string"),
@@ -228,7 +228,7 @@ fn a_second_zero_cache_initial_syncs_after_the_log_was_purged() {
     let config = json!({"transactions": TRANSACTIONS, "rows_per_tx": 2, "rate": 50, "schema": true}).to_string();
     let mut sluice = spawn_sluice(dir.path(), &addr, "mock-source", &config, &["--purge-interval-secs", "1"]);
     wait_for_lineage(dir.path(), &addr);
-    let a = ZeroCache::start("zc_mock_a", &addr, dir.path());
+    let a = start_on_sluice("zc_mock_a", &addr, dir.path());
 
     // Transaction 1, which declared the table, is purged.
     let deadline = Instant::now() + WAIT;
@@ -240,7 +240,7 @@ fn a_second_zero_cache_initial_syncs_after_the_log_was_purged() {
         assert!(Instant::now() < deadline, "Sluice never purged transaction 1 (floor {floor:?})");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let b = ZeroCache::start("zc_mock_b", &addr, dir.path());
+    let b = start_on_sluice("zc_mock_b", &addr, dir.path());
     let columns = [("id", "number"), ("big", "number"), ("payload", "string"), ("tx", "string")];
     let mut client = ZeroClient::start(&b, "table0", &columns);
     let rows_total = (TRANSACTIONS * 2) as usize;
@@ -306,7 +306,7 @@ fn a_zero_cache_from_another_lineage_is_reset_and_syncs_again() {
     let mut sluice = spawn("first.db");
     wait_for_lineage(dir.path(), &addr);
     let first_lineage = common::process::status(&addr).unwrap()["replicaVersion"].as_str().unwrap().to_string();
-    let mut zc = ZeroCache::start("zc_lineage", &addr, dir.path());
+    let mut zc = start_on_sluice("zc_lineage", &addr, dir.path());
     let replica_version = |zc: &ZeroCache| {
         zc.replica_rows("_zero.replicationConfig", "replicaVersion")[0]["replicaVersion"].as_str().unwrap().to_string()
     };
@@ -340,7 +340,7 @@ fn a_zero_cache_from_another_lineage_is_reset_and_syncs_again() {
         "{log}"
     );
     // Restarted (as its orchestrator would), it syncs the new lineage.
-    zc.restart(&addr);
+    zc.restart();
     let resynced_at = replica_version(&zc);
     assert!(resynced_at >= second_lineage, "zero-cache's replica version {resynced_at} is of the new lineage");
     assert_eq!(names(&zc), [("1".into(), json!("A")), ("2".into(), json!("b")), ("3".into(), json!("c"))]);
@@ -379,7 +379,7 @@ fn zero_cache_and_its_client_follow_mariadb_through_sluice() {
     let config = m.config(&[db]).to_string();
     let mut sluice = spawn_sluice(dir.path(), &addr, "mariadb-source", &config, &[]);
     wait_for_lineage(dir.path(), &addr);
-    let zc = ZeroCache::start("zc_maria", &addr, dir.path());
+    let zc = start_on_sluice("zc_maria", &addr, dir.path());
     let columns = [
         ("id", "number"),
         ("name", "string"),

@@ -1,0 +1,327 @@
+//! A real zero-cache 1.9.0 (from the `@rocicorp/zero` npm package that
+//! `make interop-deps` installs into tests/interop), with Sluice as its
+//! custom upstream or with a Postgres upstream of its own, and Zero's own
+//! client (`tests/interop/zero-client.mjs`) querying it. Used by
+//! `tests/zero_cache.rs` and by `make bench`.
+//!
+//! zero-cache's CVR and change databases are fresh databases on a
+//! PostgreSQL server the caller names; its replica file and log go in the
+//! caller's directory.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+pub fn interop_dir() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/interop");
+    assert!(
+        dir.join("node_modules/@rocicorp/zero/package.json").exists(),
+        "@rocicorp/zero is not installed in {}: run `make interop-deps` (make test does)",
+        dir.display()
+    );
+    dir
+}
+
+/// Runs one SQL statement with psql, panicking on failure.
+pub fn psql(url: &str, sql: &str) {
+    let out = Command::new("psql").args(["-qAt", "-v", "ON_ERROR_STOP=1", url, "-c", sql]).output().unwrap();
+    assert!(out.status.success(), "psql {sql}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// The single value a query returns, with psql.
+pub fn psql_value(url: &str, sql: &str) -> String {
+    let out = Command::new("psql").args(["-qAt", "-v", "ON_ERROR_STOP=1", url, "-c", sql]).output().unwrap();
+    assert!(out.status.success(), "psql {sql}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim_end().to_string()
+}
+
+/// A new, empty database `name` on the server at `server` (a superuser
+/// URL); its URL.
+pub fn fresh_database(server: &str, name: &str) -> String {
+    psql(server, &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"));
+    psql(server, &format!("CREATE DATABASE {name}"));
+    database_url(server, name)
+}
+
+/// The URL of database `name` on the server at `server`.
+pub fn database_url(server: &str, name: &str) -> String {
+    format!("{}/{name}", server.rsplit_once('/').map_or(server, |(base, _)| base))
+}
+
+/// Where a zero-cache replicates from.
+#[derive(Clone, Debug)]
+pub enum Upstream {
+    /// Zero's custom change-source protocol at Sluice's address (HOST:PORT).
+    Sluice(String),
+    /// zero-cache's own Postgres change source, on this database URL.
+    Postgres(String),
+}
+
+/// A loopback port whose successor is free too (zero-cache binds
+/// `ZERO_PORT` and `ZERO_PORT + 1`, its own change-streamer).
+fn free_port_pair() -> u16 {
+    loop {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// Kills a process group started with `process_group(0)`: SIGTERM, and
+/// SIGKILL if it has not exited within `grace`.
+fn stop_group(child: &mut Child, grace: Duration) {
+    let group = format!("-{}", child.id());
+    let _ = Command::new("kill").args(["-TERM", "--", &group]).stderr(Stdio::null()).status();
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Also the workers zero-cache forked, should one outlive its parent.
+    let _ = Command::new("kill").args(["-KILL", "--", &group]).stderr(Stdio::null()).status();
+    let _ = child.wait();
+}
+
+/// A running zero-cache.
+pub struct ZeroCache {
+    child: Child,
+    launch: Launch,
+}
+
+/// What a zero-cache is started with, kept for its restarts.
+struct Launch {
+    name: String,
+    port: u16,
+    replica: PathBuf,
+    log: PathBuf,
+    upstream: Upstream,
+    server: String,
+}
+
+impl Launch {
+    fn spawn(&self) -> Child {
+        let out = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let mut command = Command::new("node");
+        command.arg(interop_dir().join("node_modules/@rocicorp/zero/out/zero/src/cli.js")).current_dir(interop_dir());
+        match &self.upstream {
+            Upstream::Sluice(addr) => {
+                command
+                    .env("ZERO_UPSTREAM_TYPE", "custom")
+                    .env("ZERO_UPSTREAM_DB", format!("ws://{addr}/changes/v0/stream"));
+            }
+            Upstream::Postgres(url) => {
+                command.env("ZERO_UPSTREAM_TYPE", "pg").env("ZERO_UPSTREAM_DB", url);
+            }
+        }
+        command
+            .env("ZERO_CVR_DB", database_url(&self.server, &format!("{}_cvr", self.name)))
+            .env("ZERO_CHANGE_DB", database_url(&self.server, &format!("{}_change", self.name)))
+            .env("ZERO_REPLICA_FILE", &self.replica)
+            .env("ZERO_PORT", self.port.to_string())
+            .env("ZERO_NUM_SYNC_WORKERS", "1")
+            .env("ZERO_ADMIN_PASSWORD", "sluice-test")
+            .env("ZERO_LOG_LEVEL", "info")
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .process_group(0)
+            .spawn()
+            .expect("node is installed")
+    }
+}
+
+impl ZeroCache {
+    /// Starts zero-cache `name` (which also names its CVR and change
+    /// databases, made fresh on `server`) on `upstream`, with its replica
+    /// file in `dir`, and waits until it is ready, which includes its
+    /// initial sync.
+    pub fn start(name: &str, upstream: Upstream, server: &str, dir: &Path) -> ZeroCache {
+        fresh_database(server, &format!("{name}_cvr"));
+        fresh_database(server, &format!("{name}_change"));
+        let launch = Launch {
+            name: name.to_string(),
+            port: free_port_pair(),
+            replica: dir.join(format!("{name}-replica.db")),
+            log: dir.join(format!("{name}.log")),
+            upstream,
+            server: server.to_string(),
+        };
+        std::fs::write(&launch.log, "").unwrap();
+        let mut zc = ZeroCache { child: launch.spawn(), launch };
+        zc.wait_for_log("zero-cache ready", Duration::from_secs(600));
+        zc
+    }
+
+    pub fn name(&self) -> &str {
+        &self.launch.name
+    }
+
+    /// Its replica file.
+    pub fn replica(&self) -> &Path {
+        &self.launch.replica
+    }
+
+    /// Starts it again after it exited (as an orchestrator would), with
+    /// its databases, replica file and ports, and waits until it is ready.
+    pub fn restart(&mut self) {
+        stop_group(&mut self.child, Duration::from_secs(10));
+        let before = self.log_text().len();
+        self.child = self.launch.spawn();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !self.log_text().get(before..).unwrap_or("").contains("zero-cache ready") {
+            let exited = self.child.try_wait().unwrap();
+            assert!(
+                exited.is_none() && Instant::now() < deadline,
+                "zero-cache {} did not get ready again ({exited:?}); its log ends:\n{}",
+                self.launch.name,
+                tail(&self.log_text(), 40000)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Waits until the process exits on its own; its status.
+    pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "zero-cache {} is still running; its log ends:\n{}",
+                self.launch.name,
+                tail(&self.log_text(), 40000)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn server(&self) -> String {
+        format!("http://127.0.0.1:{}", self.launch.port)
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.launch.log).unwrap_or_default()
+    }
+
+    /// Waits until zero-cache's log contains `line`; fails with the log's
+    /// end if it exits or the time runs out.
+    pub fn wait_for_log(&mut self, line: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let log = self.log_text();
+            if log.contains(line) {
+                return;
+            }
+            let exited = self.child.try_wait().unwrap();
+            assert!(
+                exited.is_none() && Instant::now() < deadline,
+                "zero-cache {} did not log {line:?} ({}); its log ends:\n{}",
+                self.launch.name,
+                exited.map_or("timed out".to_string(), |s| format!("exited: {s}")),
+                tail(&log, 40000)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// One table of its replica file, ordered by `key`, as zero-cache
+    /// stored it (integers as strings, so they compare exactly).
+    pub fn replica_rows(&self, table: &str, key: &str) -> Vec<Value> {
+        let out = Command::new("node")
+            .arg(interop_dir().join("replica-rows.mjs"))
+            .arg(&self.launch.replica)
+            .args([table, key])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "reading the replica: {}", String::from_utf8_lossy(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["rows"].as_array().unwrap().clone()
+    }
+}
+
+impl Drop for ZeroCache {
+    fn drop(&mut self) {
+        stop_group(&mut self.child, Duration::from_secs(10));
+    }
+}
+
+fn tail(text: &str, n: usize) -> &str {
+    let mut start = text.len().saturating_sub(n);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    &text[start..]
+}
+
+/// Zero's own client, querying one table through a zero-cache.
+pub struct ZeroClient {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    latest: Vec<Value>,
+}
+
+impl ZeroClient {
+    /// `columns`: `[(name, "string" | "number" | "boolean" | "json")]`, the
+    /// primary key first.
+    pub fn start(zero_cache: &ZeroCache, table: &str, columns: &[(&str, &str)]) -> ZeroClient {
+        let key = columns[0].0.to_string();
+        let columns: serde_json::Map<String, Value> =
+            columns.iter().map(|(c, t)| (c.to_string(), Value::from(*t))).collect();
+        let mut child = Command::new("node")
+            .arg(interop_dir().join("zero-client.mjs"))
+            .args([&zero_cache.server(), table, &key, &Value::Object(columns).to_string()])
+            .current_dir(interop_dir())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .process_group(0)
+            .spawn()
+            .expect("node is installed");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        ZeroClient { child, lines, latest: Vec::new() }
+    }
+
+    /// Waits until the rows the client shows satisfy `done`; returns them.
+    pub fn wait_rows(&mut self, what: &str, timeout: Duration, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if done(&self.latest) {
+                return self.latest.clone();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("client line {line}: {e}"));
+                    self.latest = v["rows"].as_array().cloned().unwrap_or_default();
+                }
+                Err(_) => panic!(
+                    "the Zero client never showed {what}; its last rows: {}",
+                    serde_json::to_string(&self.latest).unwrap()
+                ),
+            }
+        }
+    }
+}
+
+impl Drop for ZeroClient {
+    fn drop(&mut self) {
+        stop_group(&mut self.child, Duration::from_secs(5));
+    }
+}
