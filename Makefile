@@ -66,7 +66,7 @@ chaos: test-plugins
 	SLUICE_CHAOS_SECONDS=$${SLUICE_CHAOS_SECONDS:-120} SLUICE_FUZZ_SECONDS=$${SLUICE_FUZZ_SECONDS:-60} \
 		tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh $(CARGO) test --test chaos -- --nocapture --test-threads=1
 
-bench: plugins
+bench: plugins interop-deps
 	$(CARGO) build --release -p sluice -p sluice-bench
 	tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh ./target/release/sluice-bench
 

@@ -346,6 +346,35 @@ async fn purge_deletes_below_the_floor_and_keeps_the_latest_transaction() {
     assert_eq!(watermarks().await.into_iter().collect::<Vec<_>>(), ["08", "0a"]);
 }
 
+/// A catch-up reader jumps past a transaction (its cursor is declared
+/// again after the jump) and otherwise continues where it stood.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_catch_up_cursor_continues_and_jumps() {
+    let (_dir, _spec, feed, h) = fed_harness().await;
+    feed.tx("03", &(1..=50).collect::<Vec<_>>());
+    feed.tx("06", &[51]);
+    stored(&h, "06").await;
+    let reader = h.hub.reader().clone();
+    let positions = tokio::task::block_in_place(move || {
+        let mut snapshot = reader.snapshot().unwrap();
+        let at = |rows: &[sluice::storage::StoredRow]| -> Vec<(String, i64)> {
+            rows.iter().map(|r| (r.watermark.clone(), r.pos)).collect()
+        };
+        let first = snapshot.read("03", None, 10).unwrap();
+        let last = first.last().map(|r| (r.watermark.clone(), r.pos)).unwrap();
+        let next = snapshot.read("03", Some((&last.0, last.1)), 10).unwrap();
+        let jumped = snapshot.read("03", Some(("03", i64::MAX)), 10).unwrap();
+        (at(&first), at(&next), at(&jumped))
+    });
+    let (first, next, jumped) = positions;
+    assert_eq!(first.len(), 10);
+    assert!(first.iter().all(|(w, _)| w == "03"));
+    assert!(next.len() == 10 && next[0].1 > first[9].1 && next.iter().all(|(w, _)| w == "03"), "{next:?}");
+    // Past 03: only 06's begin, row and commit.
+    assert_eq!(jumped.iter().map(|(w, _)| w.as_str()).collect::<Vec<_>>(), ["06", "06", "06"]);
+    h.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_connection_is_retried_and_loses_nothing() {
     init_logs();

@@ -19,6 +19,7 @@ mod custom_source;
 mod filters;
 mod mariadb_source;
 mod pg_source;
+mod zero_cache;
 
 fn plugin_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/plugins")
@@ -29,7 +30,7 @@ async fn main() -> anyhow::Result<()> {
     let tmp = std::env::temp_dir().join(format!("sluice-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
     let registry = Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?;
-    // `sluice-bench [boundary|store|custom|postgres|pgsource|mariadb|fanout|filters|filter-cost|catchup ...]`: all by default.
+    // `sluice-bench [boundary|store|custom|postgres|pgsource|zero|mariadb|fanout|filters|filter-cost|catchup ...]`: all by default.
     let only: Vec<String> = std::env::args().skip(1).collect();
     let run = |section: &str| only.is_empty() || only.iter().any(|o| o == section);
     println!("# Sluice benchmarks ({} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
@@ -79,6 +80,11 @@ async fn main() -> anyhow::Result<()> {
     if let (true, Some(url)) = (run("pgsource"), &pg_url) {
         println!("\n## Postgres source (pgoutput) -> durable SQLite change log -> 1 subscriber, upstream on the same machine");
         pg_source::run(url, &tmp).await?;
+    }
+    if let (true, Some(url)) = (run("zero"), &pg_url) {
+        println!("\n## zero-cache 1.9.0 on Sluice vs on its own Postgres source (same table, same machine)");
+        // SLUICE_BENCH_ZERO_ROWS (1,000,000) and SLUICE_BENCH_ZERO_SECS (10) size it.
+        zero_cache::run(url, &tmp).await?;
     }
     if run("mariadb") {
         match (std::env::var("SLUICE_TEST_MARIADB"), std::env::var("SLUICE_TEST_MARIADB_SOCKET")) {

@@ -17,6 +17,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// Whether `make interop-deps` has installed `@rocicorp/zero`.
+pub fn installed() -> bool {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/interop/node_modules/@rocicorp/zero/package.json").exists()
+}
+
 pub fn interop_dir() -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/interop");
     assert!(

@@ -695,7 +695,9 @@ struct PgSnapshot {
     rt: Handle,
     schema: String,
     last_watermark: String,
-    declared: bool,
+    /// Where the open catch-up cursor stands: `None` before it is declared,
+    /// then the last row it returned (or the cursor it started after).
+    cursor_at: Option<Option<(String, i64)>>,
 }
 
 impl LogSnapshot for PgSnapshot {
@@ -705,20 +707,36 @@ impl LogSnapshot for PgSnapshot {
 
     /// Reads the next batch from the snapshot's cursor (the cursor keeps the
     /// position, so `after` is not needed here).
-    fn read(&mut self, from: &str, _after: Option<(&str, i64)>, limit: usize) -> anyhow::Result<Vec<StoredRow>> {
+    fn read(&mut self, from: &str, after: Option<(&str, i64)>, limit: usize) -> anyhow::Result<Vec<StoredRow>> {
         let s = self.schema.clone();
         let (from, last) = (from.to_string(), self.last_watermark.clone());
-        let declare = !self.declared;
-        self.declared = true;
+        let after = after.map(|(w, p)| (w.to_string(), p));
+        // One server-side cursor streams the rows; it is declared again when
+        // the caller's cursor is not where it stands (a catch-up jumping past
+        // a transaction the subscriber already holds).
+        let declare = match &self.cursor_at {
+            None => Some(false),
+            Some(at) if *at != after => Some(true),
+            Some(_) => None,
+        };
         let c = &self.client;
-        self.rt.block_on(async {
-            if declare {
+        let rows = self.rt.block_on(async {
+            if let Some(close_first) = declare {
+                if close_first {
+                    c.batch_execute("CLOSE catchup").await.map_err(|e| classify(e, "closing the catch-up cursor"))?;
+                }
+                let past = match &after {
+                    Some((w, p)) => {
+                        format!(" AND (watermark > {w} OR (watermark = {w} AND pos > {p}))", w = quote_literal(w))
+                    }
+                    None => String::new(),
+                };
                 let from = quote_literal(&from);
                 let last = quote_literal(&last);
                 c.batch_execute(&format!(
                     r#"DECLARE catchup NO SCROLL CURSOR FOR
                        SELECT watermark, pos, change::text FROM {s}."changeLog"
-                       WHERE watermark >= {from} AND watermark <= {last} ORDER BY watermark, pos"#
+                       WHERE watermark >= {from} AND watermark <= {last}{past} ORDER BY watermark, pos"#
                 ))
                 .await
                 .map_err(|e| classify(e, "opening the catch-up cursor"))?;
@@ -727,14 +745,17 @@ impl LogSnapshot for PgSnapshot {
                 .query(&format!("FETCH {limit} FROM catchup"), &[])
                 .await
                 .map_err(|e| classify(e, "reading the change log"))?;
-            Ok(rows
-                .iter()
-                .map(|r| {
-                    let change: String = r.get(2);
-                    StoredRow { watermark: r.get(0), pos: r.get(1), tag: tag_of(&change), change }
-                })
-                .collect())
-        })
+            anyhow::Ok(
+                rows.iter()
+                    .map(|r| {
+                        let change: String = r.get(2);
+                        StoredRow { watermark: r.get(0), pos: r.get(1), tag: tag_of(&change), change }
+                    })
+                    .collect::<Vec<_>>(),
+            )
+        })?;
+        self.cursor_at = Some(rows.last().map(|r| (r.watermark.clone(), r.pos)).or(after));
+        Ok(rows)
     }
 
     fn state_kept(&mut self) -> anyhow::Result<bool> {
@@ -808,7 +829,7 @@ impl LogReader for PostgresReader {
             rt: self.rt.clone(),
             schema: self.schema.clone(),
             last_watermark,
-            declared: false,
+            cursor_at: None,
         }))
     }
 
