@@ -87,6 +87,11 @@ pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
         "Sluice: its snapshot of {rows} rows durable (change log + table state, SQLite) {secs:.1} s after process start: {:.0} rows/s",
         rows as f64 / secs
     );
+    let (messages, secs) = read_initial_sync(&addr).await?;
+    println!(
+        "Sluice: the initial sync ({messages} messages) read by a client that only counts them, in {secs:.2} s: {:.0} rows/s",
+        rows as f64 / secs
+    );
     let (zc, secs) = start_zero_cache("bench_zc_sluice", Upstream::Sluice(addr.clone()), server, &dir).await?;
     println!(
         "zero-cache on Sluice: initial sync of {rows} rows, process start to ready, {secs:.1} s: {:.0} rows/s",
@@ -111,6 +116,26 @@ pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
     drop_slots(&admin).await?;
     admin.batch_execute(&format!("DROP DATABASE IF EXISTS {DB} WITH (FORCE)")).await?;
     Ok(())
+}
+
+/// Reads one initial sync from Sluice's `/changes/v0/stream` as fast as it
+/// comes, counting messages until the commit: Sluice's side of the initial
+/// sync, without zero-cache's work of applying it.
+async fn read_initial_sync(addr: &str) -> anyhow::Result<(u64, f64)> {
+    use futures::StreamExt;
+    use tokio_tungstenite::tungstenite::Message as Ws;
+    let started = Instant::now();
+    let url = format!("ws://{addr}/changes/v0/stream?appID=bench&shardNum=0");
+    let (mut ws, _) = tokio_tungstenite::connect_async(url).await?;
+    let mut messages = 0u64;
+    while let Some(frame) = ws.next().await {
+        let Ws::Text(text) = frame? else { continue };
+        messages += 1;
+        if text.starts_with("[\"commit\"") {
+            return Ok((messages, started.elapsed().as_secs_f64()));
+        }
+    }
+    anyhow::bail!("Sluice closed the stream before the initial sync's commit")
 }
 
 fn spawn_sluice(dir: &Path, addr: &str, up_url: &str) -> anyhow::Result<Child> {
