@@ -12,7 +12,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::zero_cache::{fresh_database, psql, psql_value, start_on_sluice, ZeroCache, ZeroClient};
+use common::zero_cache::{
+    bootstrap_replica, fresh_database, psql, psql_value, replica_file, start_on_sluice, start_view_syncer, ZeroCache,
+    ZeroClient,
+};
 use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(90);
@@ -351,6 +354,77 @@ fn a_zero_cache_from_another_lineage_is_reset_and_syncs_again() {
         std::thread::sleep(Duration::from_millis(100));
     }
     drop(zc);
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    psql(&server, drop_slot);
+}
+
+/// A zero-cache view-syncer with Sluice as its change-streamer
+/// (`ZERO_CHANGE_STREAMER_URI`), starting on an empty disk after Sluice
+/// purged its snapshot: `tools/zero-replica.mjs` writes its replica from
+/// Sluice's table state, with Sluice's replica version; the view-syncer
+/// then subscribes to `/replication/v6/changes` from there, serves a Zero
+/// client the upstream's rows (also those written between the bootstrap
+/// and its start) and live changes, and its replica ends equal to the
+/// upstream.
+#[test]
+fn a_view_syncer_bootstrapped_after_a_purge_serves_clients() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = common::pg_url();
+    let drop_slot = "SELECT pg_drop_replication_slot('zc_vs') FROM pg_replication_slots WHERE slot_name = 'zc_vs'";
+    psql(&server, drop_slot);
+    let up = fresh_database("zc_vs_upstream");
+    psql(&up, "CREATE TABLE items (id int8 PRIMARY KEY, name text); INSERT INTO items VALUES (1, 'a'), (2, 'b')");
+    std::fs::write(dir.path().join("permissions.json"), readable(&["items"])).unwrap();
+    let addr = common::process::free_addr();
+    let config = json!({ "url": up, "slot": "zc_vs" }).to_string();
+    let mut sluice = spawn_sluice(dir.path(), &addr, "postgres", &config, &["--purge-interval-secs", "1"]);
+    wait_for_lineage(dir.path(), &addr);
+    let status = || common::process::status(&addr).unwrap();
+    let replica_version = status()["replicaVersion"].as_str().unwrap().to_string();
+
+    // The snapshot's transaction (at the replica version, or a watermark
+    // derived from it) is purged once later ones are stored.
+    let deadline = Instant::now() + WAIT;
+    let mut n = 3;
+    while status()["minWatermark"].as_str().is_none_or(|floor| floor.starts_with(replica_version.as_str())) {
+        assert!(Instant::now() < deadline, "Sluice never purged its snapshot: {}", status());
+        psql(&up, &format!("INSERT INTO items VALUES ({n}, 'n{n}')"));
+        n += 1;
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let written = bootstrap_replica(&addr, &replica_file("zc_vs", dir.path()));
+    assert_eq!(written["replicaVersion"], replica_version.as_str(), "{written}");
+    assert!(written["watermark"].as_str().unwrap() > replica_version.as_str(), "{written}");
+    psql(&up, "INSERT INTO items VALUES (100, 'between the bootstrap and the start')");
+
+    let vs = start_view_syncer("zc_vs", &addr, &up, dir.path());
+    let mut client = ZeroClient::start(&vs, "items", &[("id", "number"), ("name", "string")]);
+    let want = n - 1 + 1;
+    client.wait_rows("the upstream's rows", WAIT, |rows| {
+        rows.len() as i64 == want && rows.last().is_some_and(|r| r["id"] == 100)
+    });
+    psql(&up, "BEGIN; INSERT INTO items VALUES (101, 'live'); UPDATE items SET name = 'A' WHERE id = 1; DELETE FROM items WHERE id = 2; COMMIT");
+    let rows = client.wait_rows("the live insert, update and delete", WAIT, |rows| {
+        rows.len() as i64 == want && rows[0]["name"] == "A" && rows.last().is_some_and(|r| r["id"] == 101)
+    });
+    assert_eq!(rows[1]["id"], 3, "row 2 is deleted");
+
+    // The view-syncer's replica equals the upstream, row by row.
+    let upstream =
+        psql_value(&up, "SELECT json_agg(json_build_object('id', id::text, 'name', name) ORDER BY id) FROM items");
+    let upstream: Value = serde_json::from_str(&upstream).unwrap();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let replica = Value::Array(vs.replica_rows("items", "id"));
+        if replica == upstream {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the view-syncer's replica {replica} differs from the upstream {upstream}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(client);
+    drop(vs);
     sluice.kill().unwrap();
     sluice.wait().unwrap();
     psql(&server, drop_slot);

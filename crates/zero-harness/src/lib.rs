@@ -58,6 +58,11 @@ pub fn database_url(server: &str, name: &str) -> String {
     format!("{}/{name}", server.rsplit_once('/').map_or(server, |(base, _)| base))
 }
 
+/// The replica file of zero-cache `name` started in `dir`.
+pub fn replica_file(name: &str, dir: &Path) -> PathBuf {
+    dir.join(format!("{name}-replica.db"))
+}
+
 /// Where a zero-cache replicates from.
 #[derive(Clone, Debug)]
 pub enum Upstream {
@@ -65,6 +70,32 @@ pub enum Upstream {
     Sluice(String),
     /// zero-cache's own Postgres change source, on this database URL.
     Postgres(String),
+    /// A view-syncer: Sluice at `sluice` (HOST:PORT) is its change-streamer
+    /// (`ZERO_CHANGE_STREAMER_URI`); `upstream` is the Postgres database
+    /// its mutations go to. Its replica file must already be synced
+    /// ([`bootstrap_replica`]).
+    ViewSyncer { sluice: String, upstream: String },
+}
+
+/// Writes a synced replica file for a view-syncer on Sluice at `sluice`
+/// with `tools/zero-replica.mjs`; returns what it printed
+/// (`{"replicaVersion", "watermark"}`).
+pub fn bootstrap_replica(sluice: &str, file: &Path) -> Value {
+    let tool = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/zero-replica.mjs");
+    let out = Command::new("node")
+        .arg(tool)
+        .args(["--sluice", sluice, "--file"])
+        .arg(file)
+        .current_dir(interop_dir())
+        .output()
+        .expect("node is installed");
+    assert!(
+        out.status.success(),
+        "tools/zero-replica.mjs failed ({}):\n{}",
+        out.status,
+        tail(&String::from_utf8_lossy(&out.stderr), 4000)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("zero-replica printed {:?}: {e}", out.stdout))
 }
 
 /// A loopback port whose successor is free too (zero-cache binds
@@ -126,6 +157,9 @@ impl Launch {
             Upstream::Postgres(url) => {
                 command.env("ZERO_UPSTREAM_TYPE", "pg").env("ZERO_UPSTREAM_DB", url);
             }
+            Upstream::ViewSyncer { sluice, upstream } => {
+                command.env("ZERO_UPSTREAM_DB", upstream).env("ZERO_CHANGE_STREAMER_URI", format!("http://{sluice}/"));
+            }
         }
         command
             .env("ZERO_CVR_DB", database_url(&self.server, &format!("{}_cvr", self.name)))
@@ -154,7 +188,7 @@ impl ZeroCache {
         let launch = Launch {
             name: name.to_string(),
             port: free_port_pair(),
-            replica: dir.join(format!("{name}-replica.db")),
+            replica: replica_file(name, dir),
             log: dir.join(format!("{name}.log")),
             upstream,
             server: server.to_string(),

@@ -1,0 +1,82 @@
+// Writes a synced zero-cache replica file from Sluice, for a zero-cache
+// view-syncer that starts on an empty disk (one that takes Sluice as its
+// change-streamer, ZERO_CHANGE_STREAMER_URI, and has no litestream backup).
+//
+// It runs zero-cache's own custom-source initial sync against Sluice's
+// /changes/v0/stream (Sluice serves it from its table state, at any time,
+// also after its log was purged), then records Sluice's replica version in
+// the file, so that the view-syncer subscribes to /replication/v6/changes
+// with Sluice's replica version from the watermark the file holds.
+//
+// Run it from a directory where @rocicorp/zero (1.9.0) is installed, for
+// example the app's own:
+//
+//   node /path/to/sluice/tools/zero-replica.mjs --sluice HOST:PORT --file replica.db \
+//        [--app zero] [--shard 0]
+//
+// It prints {"replicaVersion": ..., "watermark": ...} and exits 0, or names
+// the cause and exits 1. An existing file is refused (remove it first).
+import { createRequire } from 'node:module';
+import { existsSync } from 'node:fs';
+import { dirname, join } from 'node:path';
+import { pathToFileURL } from 'node:url';
+
+function fail(message) {
+  process.stderr.write(`zero-replica: ${message}\n`);
+  process.exit(1);
+}
+
+const args = new Map();
+for (let i = 2; i < process.argv.length; i += 2) {
+  const [flag, value] = [process.argv[i], process.argv[i + 1]];
+  if (!flag?.startsWith('--') || value === undefined) fail(`expected --flag value pairs, got ${flag}`);
+  args.set(flag.slice(2), value);
+}
+const sluice = (args.get('sluice') ?? fail('--sluice HOST:PORT is required')).replace(/^\w+:\/\//, '').replace(/\/.*$/, '');
+const file = args.get('file') ?? fail('--file PATH is required');
+const appID = args.get('app') ?? 'zero';
+const shardNum = Number(args.get('shard') ?? '0');
+if (existsSync(file)) fail(`${file} exists; a replica is written only into a new file`);
+
+// zero-cache's modules, from the @rocicorp/zero installed where this runs.
+const here = createRequire(join(process.cwd(), 'index.js'));
+let main;
+try {
+  main = here.resolve('@rocicorp/zero');
+} catch {
+  fail(`@rocicorp/zero is not installed in ${process.cwd()} (npm install @rocicorp/zero@1.9.0)`);
+}
+const root = main.slice(0, main.lastIndexOf(`${join('', 'out', 'zero')}`));
+const zeroRequire = createRequire(join(root, 'package.json'));
+const load = (path) => import(pathToFileURL(join(root, path)).href);
+const { initializeCustomChangeSource } = await load('out/zero-cache/src/services/change-source/custom/change-source.js');
+const { LogContext } = await import(pathToFileURL(zeroRequire.resolve('@rocicorp/logger')).href);
+const Database = (await import(pathToFileURL(zeroRequire.resolve('@rocicorp/zero-sqlite3')).href)).default;
+
+const status = await fetch(`http://${sluice}/status`)
+  .then((r) => r.json())
+  .catch((e) => fail(`reading http://${sluice}/status: ${e.message}`));
+const replicaVersion = status.replicaVersion ?? fail(`Sluice at ${sluice} serves no lineage yet`);
+
+// zero-cache's log lines go to stderr; stdout carries only the result.
+const stderrSink = {
+  log(level, context, ...args) {
+    const where = Object.entries(context ?? {}).map(([k, v]) => `${k}=${v}`).join(' ');
+    process.stderr.write(`${level} ${where} ${args.map((a) => (typeof a === 'string' ? a : JSON.stringify(a))).join(' ')}\n`);
+  },
+};
+const lc = new LogContext('info', { component: 'zero-replica' }, stderrSink);
+const shard = { appID, shardNum, publications: [] };
+const context = { appID, taskID: 'sluice-zero-replica', timestamp: new Date().toISOString() };
+try {
+  await initializeCustomChangeSource(lc, `ws://${sluice}/changes/v0/stream`, shard, file, context);
+} catch (e) {
+  fail(`the initial sync from ${sluice} failed: ${e?.message ?? e}`);
+}
+const db = new Database(file);
+const { watermark } = db.prepare('SELECT stateVersion AS watermark FROM "_zero.replicationState"').get();
+if (watermark < replicaVersion) fail(`the initial sync's watermark ${watermark} predates Sluice's replica version ${replicaVersion}`);
+db.prepare('UPDATE "_zero.replicationConfig" SET replicaVersion = ?').run(replicaVersion);
+db.close();
+process.stdout.write(JSON.stringify({ replicaVersion, watermark }) + '\n');
+process.exit(0);
