@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::zero_cache::{
-    bootstrap_replica, fresh_database, psql, psql_value, replica_file, start_on_sluice, start_view_syncer, ZeroCache,
-    ZeroClient,
+    bootstrap_replica, fresh_database, psql, psql_value, replica_file, start_on_sluice, start_view_syncer, Streamer,
+    ZeroCache, ZeroClient,
 };
 use serde_json::{json, Value};
 
@@ -359,29 +359,34 @@ fn a_zero_cache_from_another_lineage_is_reset_and_syncs_again() {
     psql(&server, drop_slot);
 }
 
-/// A zero-cache view-syncer with Sluice as its change-streamer
-/// (`ZERO_CHANGE_STREAMER_URI`), starting on an empty disk after Sluice
-/// purged its snapshot: `tools/zero-replica.mjs` writes its replica from
-/// Sluice's table state, with Sluice's replica version; the view-syncer
-/// then subscribes to `/replication/v6/changes` from there, serves a Zero
-/// client the upstream's rows (also those written between the bootstrap
-/// and its start) and live changes, and its replica ends equal to the
-/// upstream.
+/// Two zero-cache view-syncers with Sluice as their change-streamer, one
+/// through `ZERO_CHANGE_STREAMER_URI`, one discovering Sluice through the
+/// address it records in its Postgres change DB. Both start on an empty
+/// disk after Sluice purged its snapshot: `tools/zero-replica.mjs` writes
+/// each replica from Sluice's table state, with Sluice's replica version.
+/// Each then subscribes to `/replication/v6/changes` from there, serves a
+/// Zero client the upstream's rows (also those written between the
+/// bootstrap and its start) and live changes, and its replica ends equal to
+/// the upstream.
 #[test]
-fn a_view_syncer_bootstrapped_after_a_purge_serves_clients() {
+fn view_syncers_bootstrapped_after_a_purge_serve_clients() {
     let dir = tempfile::tempdir().unwrap();
     let server = common::pg_url();
     let drop_slot = "SELECT pg_drop_replication_slot('zc_vs') FROM pg_replication_slots WHERE slot_name = 'zc_vs'";
     psql(&server, drop_slot);
     let up = fresh_database("zc_vs_upstream");
+    let change_db = fresh_database("zc_vs_sluice_change");
     psql(&up, "CREATE TABLE items (id int8 PRIMARY KEY, name text); INSERT INTO items VALUES (1, 'a'), (2, 'b')");
     std::fs::write(dir.path().join("permissions.json"), readable(&["items"])).unwrap();
     let addr = common::process::free_addr();
     let config = json!({ "url": up, "slot": "zc_vs" }).to_string();
-    let mut sluice = spawn_sluice(dir.path(), &addr, "postgres", &config, &["--purge-interval-secs", "1"]);
+    let extra = ["--purge-interval-secs", "1", "--change-db", &change_db];
+    let mut sluice = spawn_sluice(dir.path(), &addr, "postgres", &config, &extra);
     wait_for_lineage(dir.path(), &addr);
     let status = || common::process::status(&addr).unwrap();
     let replica_version = status()["replicaVersion"].as_str().unwrap().to_string();
+    let recorded = psql_value(&change_db, r#"SELECT "ownerAddress" FROM "zero_0/cdc"."replicationState""#);
+    assert_eq!(recorded, addr, "the address recorded for discovery");
 
     // The snapshot's transaction (at the replica version, or a watermark
     // derived from it) is purged once later ones are stored.
@@ -393,38 +398,55 @@ fn a_view_syncer_bootstrapped_after_a_purge_serves_clients() {
         n += 1;
         std::thread::sleep(Duration::from_millis(300));
     }
-    let written = bootstrap_replica(&addr, &replica_file("zc_vs", dir.path()));
-    assert_eq!(written["replicaVersion"], replica_version.as_str(), "{written}");
-    assert!(written["watermark"].as_str().unwrap() > replica_version.as_str(), "{written}");
-    psql(&up, "INSERT INTO items VALUES (100, 'between the bootstrap and the start')");
+    let mut view_syncers = Vec::new();
+    for (name, streamer) in
+        [("zc_vs_a", Streamer::Uri(addr.clone())), ("zc_vs_b", Streamer::Discover { change_db: change_db.clone() })]
+    {
+        let written = bootstrap_replica(&addr, &replica_file(name, dir.path()));
+        assert_eq!(written["replicaVersion"], replica_version.as_str(), "{written}");
+        assert!(written["watermark"].as_str().unwrap() > replica_version.as_str(), "{written}");
+        psql(&up, &format!("INSERT INTO items VALUES ({n}, 'between the bootstrap and the start')"));
+        n += 1;
+        view_syncers.push(start_view_syncer(name, streamer, &up, dir.path()));
+    }
+    let mut clients: Vec<ZeroClient> =
+        view_syncers.iter().map(|vs| ZeroClient::start(vs, "items", &[("id", "number"), ("name", "string")])).collect();
+    let count = n - 1;
+    for client in &mut clients {
+        client.wait_rows("the upstream's rows", WAIT, |rows| rows.len() as i64 == count);
+    }
+    psql(&up, "BEGIN; INSERT INTO items VALUES (1000, 'live'); UPDATE items SET name = 'A' WHERE id = 1; DELETE FROM items WHERE id = 2; COMMIT");
+    for client in &mut clients {
+        let rows = client.wait_rows("the live insert, update and delete", WAIT, |rows| {
+            rows.len() as i64 == count && rows[0]["name"] == "A" && rows.last().is_some_and(|r| r["id"] == 1000)
+        });
+        assert_eq!(rows[1]["id"], 3, "row 2 is deleted");
+    }
 
-    let vs = start_view_syncer("zc_vs", &addr, &up, dir.path());
-    let mut client = ZeroClient::start(&vs, "items", &[("id", "number"), ("name", "string")]);
-    let want = n - 1 + 1;
-    client.wait_rows("the upstream's rows", WAIT, |rows| {
-        rows.len() as i64 == want && rows.last().is_some_and(|r| r["id"] == 100)
-    });
-    psql(&up, "BEGIN; INSERT INTO items VALUES (101, 'live'); UPDATE items SET name = 'A' WHERE id = 1; DELETE FROM items WHERE id = 2; COMMIT");
-    let rows = client.wait_rows("the live insert, update and delete", WAIT, |rows| {
-        rows.len() as i64 == want && rows[0]["name"] == "A" && rows.last().is_some_and(|r| r["id"] == 101)
-    });
-    assert_eq!(rows[1]["id"], 3, "row 2 is deleted");
+    let discovered = format!("connecting to change-streamer@ws://{addr}/");
+    assert!(view_syncers[1].log_text().contains(&discovered), "zc_vs_b did not discover {addr}");
 
-    // The view-syncer's replica equals the upstream, row by row.
+    // Each view-syncer's replica equals the upstream, row by row.
     let upstream =
         psql_value(&up, "SELECT json_agg(json_build_object('id', id::text, 'name', name) ORDER BY id) FROM items");
     let upstream: Value = serde_json::from_str(&upstream).unwrap();
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let replica = Value::Array(vs.replica_rows("items", "id"));
-        if replica == upstream {
-            break;
+    for vs in &view_syncers {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let replica = Value::Array(vs.replica_rows("items", "id"));
+            if replica == upstream {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}'s replica {replica} differs from the upstream {upstream}",
+                vs.name()
+            );
+            std::thread::sleep(Duration::from_millis(200));
         }
-        assert!(Instant::now() < deadline, "the view-syncer's replica {replica} differs from the upstream {upstream}");
-        std::thread::sleep(Duration::from_millis(200));
     }
-    drop(client);
-    drop(vs);
+    drop(clients);
+    drop(view_syncers);
     sluice.kill().unwrap();
     sluice.wait().unwrap();
     psql(&server, drop_slot);

@@ -134,7 +134,7 @@ impl Service {
             tokio::spawn(log_progress(status.clone(), stop_rx.clone()));
         }
         let options =
-            StreamerOptions { advertise: config.advertise.unwrap_or_else(|| addr.to_string()), ..config.streamer };
+            StreamerOptions { advertise: config.advertise.unwrap_or_else(|| advertised(addr)), ..config.streamer };
         let mut streamer = Streamer::new(config.source, config.log, hub.clone(), options.clone(), status.clone());
         streamer.seed_hub();
         let server = tokio::spawn(serve);
@@ -216,6 +216,33 @@ impl Drop for Service {
 }
 
 /// Every 10 s while transactions are being stored, one line of progress.
+/// The address recorded for discovery (`ownerAddress`) when none is given:
+/// the bound one, unless it is a wildcard (`0.0.0.0`, `::`), which nobody
+/// can dial; then this host's outward address, found from the route a UDP
+/// socket would take (nothing is sent), or loopback with a warning.
+fn advertised(bound: SocketAddr) -> String {
+    if !bound.ip().is_unspecified() {
+        return bound.to_string();
+    }
+    let outward = || -> Option<std::net::IpAddr> {
+        let (local, probe) = if bound.is_ipv4() { ("0.0.0.0:0", "192.0.2.1:9") } else { ("[::]:0", "[2001:db8::1]:9") };
+        let socket = std::net::UdpSocket::bind(local).ok()?;
+        socket.connect(probe).ok()?;
+        let ip = socket.local_addr().ok()?.ip();
+        (!ip.is_unspecified()).then_some(ip)
+    };
+    let ip = outward().unwrap_or_else(|| {
+        let loopback = if bound.is_ipv4() {
+            std::net::IpAddr::from([127, 0, 0, 1])
+        } else {
+            std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
+        };
+        tracing::warn!(%bound, "no outward address found to advertise; advertising {loopback} (set --advertise)");
+        loopback
+    });
+    SocketAddr::new(ip, bound.port()).to_string()
+}
+
 async fn log_progress(status: Arc<Status>, mut stop: watch::Receiver<bool>) {
     let mut last = 0u64;
     let mut tick = tokio::time::interval(Duration::from_secs(10));
@@ -236,6 +263,21 @@ async fn log_progress(status: Arc<Status>, mut stop: watch::Receiver<bool>) {
                 s.subscribers
             );
             last = s.transactions;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wildcard_listen_address_is_never_advertised() {
+        assert_eq!(advertised("127.0.0.1:4849".parse().unwrap()), "127.0.0.1:4849");
+        for wildcard in ["0.0.0.0:4849", "[::]:4849"] {
+            let a = advertised(wildcard.parse().unwrap());
+            let ip: SocketAddr = a.parse().unwrap();
+            assert!(!ip.ip().is_unspecified() && ip.port() == 4849, "{wildcard} advertised as {a}");
         }
     }
 }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 // Not every test binary that includes `common` uses all of them.
 #[allow(unused_imports)]
-pub use zero_harness::{bootstrap_replica, psql, psql_value, replica_file, Upstream, ZeroCache, ZeroClient};
+pub use zero_harness::{bootstrap_replica, psql, psql_value, replica_file, Streamer, Upstream, ZeroCache, ZeroClient};
 
 /// A new, empty database `name` on the test server; its URL.
 pub fn fresh_database(name: &str) -> String {
@@ -19,10 +19,10 @@ pub fn start_on_sluice(name: &str, sluice: &str, dir: &Path) -> ZeroCache {
     ZeroCache::start(name, Upstream::Sluice(sluice.to_string()), &super::pg_url(), dir)
 }
 
-/// Starts zero-cache `name` as a view-syncer with Sluice at `sluice` as its
-/// change-streamer and `upstream` as its mutations' database; its replica
-/// file must have been bootstrapped.
-pub fn start_view_syncer(name: &str, sluice: &str, upstream: &str, dir: &Path) -> ZeroCache {
-    let to = Upstream::ViewSyncer { sluice: sluice.to_string(), upstream: upstream.to_string() };
+/// Starts zero-cache `name` as a view-syncer on `streamer` (Sluice), with
+/// `upstream` as its mutations' database; its replica file must have been
+/// bootstrapped.
+pub fn start_view_syncer(name: &str, streamer: Streamer, upstream: &str, dir: &Path) -> ZeroCache {
+    let to = Upstream::ViewSyncer { streamer, upstream: upstream.to_string() };
     ZeroCache::start(name, to, &super::pg_url(), dir)
 }

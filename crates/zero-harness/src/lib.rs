@@ -70,11 +70,21 @@ pub enum Upstream {
     Sluice(String),
     /// zero-cache's own Postgres change source, on this database URL.
     Postgres(String),
-    /// A view-syncer: Sluice at `sluice` (HOST:PORT) is its change-streamer
-    /// (`ZERO_CHANGE_STREAMER_URI`); `upstream` is the Postgres database
-    /// its mutations go to. Its replica file must already be synced
+    /// A view-syncer on `streamer`; `upstream` is the Postgres database its
+    /// mutations go to. Its replica file must already be synced
     /// ([`bootstrap_replica`]).
-    ViewSyncer { sluice: String, upstream: String },
+    ViewSyncer { streamer: Streamer, upstream: String },
+}
+
+/// How a view-syncer finds its change-streamer.
+#[derive(Clone, Debug)]
+pub enum Streamer {
+    /// `ZERO_CHANGE_STREAMER_URI` at Sluice's address (HOST:PORT).
+    Uri(String),
+    /// `ZERO_CHANGE_STREAMER_MODE=discover`: the address Sluice records in
+    /// its Postgres change DB, which is then also the view-syncer's
+    /// `ZERO_CHANGE_DB`.
+    Discover { change_db: String },
 }
 
 /// Writes a synced replica file for a view-syncer on Sluice at `sluice`
@@ -157,13 +167,21 @@ impl Launch {
             Upstream::Postgres(url) => {
                 command.env("ZERO_UPSTREAM_TYPE", "pg").env("ZERO_UPSTREAM_DB", url);
             }
-            Upstream::ViewSyncer { sluice, upstream } => {
-                command.env("ZERO_UPSTREAM_DB", upstream).env("ZERO_CHANGE_STREAMER_URI", format!("http://{sluice}/"));
+            Upstream::ViewSyncer { streamer, upstream } => {
+                command.env("ZERO_UPSTREAM_DB", upstream);
+                match streamer {
+                    Streamer::Uri(sluice) => command.env("ZERO_CHANGE_STREAMER_URI", format!("http://{sluice}/")),
+                    Streamer::Discover { .. } => command.env("ZERO_CHANGE_STREAMER_MODE", "discover"),
+                };
             }
         }
+        let change_db = match &self.upstream {
+            Upstream::ViewSyncer { streamer: Streamer::Discover { change_db }, .. } => change_db.clone(),
+            _ => database_url(&self.server, &format!("{}_change", self.name)),
+        };
         command
             .env("ZERO_CVR_DB", database_url(&self.server, &format!("{}_cvr", self.name)))
-            .env("ZERO_CHANGE_DB", database_url(&self.server, &format!("{}_change", self.name)))
+            .env("ZERO_CHANGE_DB", change_db)
             .env("ZERO_REPLICA_FILE", &self.replica)
             .env("ZERO_PORT", self.port.to_string())
             .env("ZERO_NUM_SYNC_WORKERS", "1")
