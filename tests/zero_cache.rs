@@ -31,7 +31,8 @@ fn readable(tables: &[&str]) -> String {
 
 /// Sluice as a process, with the compacted table state zero-cache's initial
 /// sync is served from; its log goes to `dir/sluice.log`, its change log to
-/// `dir/log.db` unless `extra` names another.
+/// `dir/log.db` unless `extra` names another, and Zero's permissions come
+/// from `dir/permissions.json` if it exists.
 fn spawn_sluice(dir: &std::path::Path, addr: &str, source: &str, config: &str, extra: &[&str]) -> Child {
     let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("sluice.log")).unwrap();
     let mut command = common::process::sluice();
@@ -42,14 +43,10 @@ fn spawn_sluice(dir: &std::path::Path, addr: &str, source: &str, config: &str, e
     if !extra.contains(&"--change-db") {
         command.arg("--change-db").arg(format!("sqlite:{}", dir.join("log.db").display()));
     }
-    command
-        .arg("--zero-permissions")
-        .arg(dir.join("permissions.json"))
-        .args(extra)
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap()
+    if dir.join("permissions.json").exists() {
+        command.arg("--zero-permissions").arg(dir.join("permissions.json"));
+    }
+    command.args(extra).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap()
 }
 
 fn wait_for_lineage(dir: &std::path::Path, addr: &str) {
@@ -377,12 +374,16 @@ fn view_syncers_bootstrapped_after_a_purge_serve_clients() {
     let up = fresh_database("zc_vs_upstream");
     let change_db = fresh_database("zc_vs_sluice_change");
     psql(&up, "CREATE TABLE items (id int8 PRIMARY KEY, name text); INSERT INTO items VALUES (1, 'a'), (2, 'b')");
-    std::fs::write(dir.path().join("permissions.json"), readable(&["items"])).unwrap();
     let addr = common::process::free_addr();
-    let config = json!({ "url": up, "slot": "zc_vs" }).to_string();
+    // Zero's tables are created in the upstream and replicated; the
+    // permissions let anyone read and insert items.
+    let config = json!({ "url": up, "slot": "zc_vs", "zero": {"app_id": "zero", "shard_num": 0} }).to_string();
     let extra = ["--purge-interval-secs", "1", "--change-db", &change_db];
     let mut sluice = spawn_sluice(dir.path(), &addr, "postgres", &config, &extra);
     wait_for_lineage(dir.path(), &addr);
+    let allow = json!([["allow", {"type": "and", "conditions": []}]]);
+    let rules = json!({"tables": {"items": {"row": {"select": allow, "insert": allow}}}});
+    psql(&up, &format!("UPDATE zero.permissions SET permissions = '{rules}'"));
     let status = || common::process::status(&addr).unwrap();
     let replica_version = status()["replicaVersion"].as_str().unwrap().to_string();
     let recorded = psql_value(&change_db, r#"SELECT "ownerAddress" FROM "zero_0/cdc"."replicationState""#);
@@ -422,6 +423,27 @@ fn view_syncers_bootstrapped_after_a_purge_serve_clients() {
         });
         assert_eq!(rows[1]["id"], 3, "row 2 is deleted");
     }
+
+    // A CRUD insert through view-syncer A: zero-cache writes it to the
+    // upstream with the client's last mutation ID, both come back through
+    // Sluice (the ID confirms the mutation), and B's client shows the row.
+    let columns = [("id", "number"), ("name", "string")];
+    let row = json!({"id": 2000, "name": "from a client"});
+    let _writer = ZeroClient::start_inserting(&view_syncers[0], "items", &columns, &row);
+    clients[1].wait_rows("the row a client of A inserted", WAIT, |rows| {
+        rows.last().is_some_and(|r| r["id"] == 2000 && r["name"] == "from a client")
+    });
+    assert_eq!(psql_value(&up, "SELECT name FROM items WHERE id = 2000"), "from a client");
+    let confirmed = psql_value(&up, r#"SELECT "lastMutationID" FROM zero_0.clients"#);
+    assert_eq!(confirmed, "1", "the upstream's last mutation ID");
+    let deadline = Instant::now() + WAIT;
+    while view_syncers[0].replica_rows("zero_0.clients", "clientID").first().map(|r| r["lastMutationID"].clone())
+        != Some(json!("1"))
+    {
+        assert!(Instant::now() < deadline, "the last mutation ID never came back to A through Sluice");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(_writer);
 
     let discovered = format!("connecting to change-streamer@ws://{addr}/");
     assert!(view_syncers[1].log_text().contains(&discovered), "zc_vs_b did not discover {addr}");

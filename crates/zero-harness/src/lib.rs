@@ -331,12 +331,23 @@ impl ZeroClient {
     /// `columns`: `[(name, "string" | "number" | "boolean" | "json")]`, the
     /// primary key first.
     pub fn start(zero_cache: &ZeroCache, table: &str, columns: &[(&str, &str)]) -> ZeroClient {
+        Self::spawn(zero_cache, table, columns, None)
+    }
+
+    /// Like [`ZeroClient::start`], and the client inserts `row` with Zero's
+    /// CRUD mutator (zero-cache writes it to its upstream Postgres).
+    pub fn start_inserting(zero_cache: &ZeroCache, table: &str, columns: &[(&str, &str)], row: &Value) -> ZeroClient {
+        Self::spawn(zero_cache, table, columns, Some(row))
+    }
+
+    fn spawn(zero_cache: &ZeroCache, table: &str, columns: &[(&str, &str)], insert: Option<&Value>) -> ZeroClient {
         let key = columns[0].0.to_string();
         let columns: serde_json::Map<String, Value> =
             columns.iter().map(|(c, t)| (c.to_string(), Value::from(*t))).collect();
         let mut child = Command::new("node")
             .arg(interop_dir().join("zero-client.mjs"))
             .args([&zero_cache.server(), table, &key, &Value::Object(columns).to_string()])
+            .args(insert.map(|row| row.to_string()))
             .current_dir(interop_dir())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

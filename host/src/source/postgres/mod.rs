@@ -14,6 +14,7 @@ pub mod snapshot;
 pub mod stream;
 pub mod values;
 pub mod wire;
+pub mod zero_shard;
 
 use std::str::FromStr;
 
@@ -38,6 +39,10 @@ pub struct PostgresSourceConfig {
     /// Rows per batch when copying the initial snapshot.
     #[serde(default = "default_snapshot_batch_rows")]
     pub snapshot_batch_rows: u32,
+    /// Create Zero's tables for this app and shard in the upstream, and
+    /// replicate them ([`zero_shard`]).
+    #[serde(default)]
+    pub zero: Option<zero_shard::ZeroShard>,
 }
 
 fn default_slot() -> String {
@@ -76,6 +81,9 @@ impl PostgresSourceConfig {
                 ));
             }
         }
+        if let Some(zero) = &config.zero {
+            zero.check()?;
+        }
         if config.snapshot_batch_rows == 0 {
             return Err("postgres source config: snapshot_batch_rows must be at least 1".into());
         }
@@ -84,14 +92,17 @@ impl PostgresSourceConfig {
 
     /// The publications the slot streams.
     pub fn publication_names(&self) -> Vec<String> {
-        if self.publications.is_empty() {
-            vec![format!("_sluice_public_{}", self.slot)]
-        } else {
-            let mut p = self.publications.clone();
-            p.sort();
-            p.dedup();
-            p
-        }
+        let mut p =
+            if self.publications.is_empty() { vec![self.default_publication()] } else { self.publications.clone() };
+        p.extend(self.zero.as_ref().map(|z| z.publication()));
+        p.sort();
+        p.dedup();
+        p
+    }
+
+    /// The publication Sluice creates when none is configured.
+    pub fn default_publication(&self) -> String {
+        format!("_sluice_public_{}", self.slot)
     }
 }
 

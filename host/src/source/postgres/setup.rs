@@ -106,9 +106,14 @@ impl Upstream {
             .batch_execute(&schema::metadata_sql())
             .await
             .map_err(|e| pg_error("creating Sluice's schema _sluice in the upstream", e))?;
+        if let Some(zero) = &config.zero {
+            client.batch_execute(&zero.setup_sql()).await.map_err(|e| {
+                pg_error(&format!("creating Zero's tables for app {} shard {}", zero.app_id, zero.shard_num), e)
+            })?;
+        }
         let publications = config.publication_names();
         if config.publications.is_empty() {
-            let name = &publications[0];
+            let name = &config.default_publication();
             let exists = client
                 .query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[name])
                 .await
