@@ -361,10 +361,12 @@ fn a_zero_cache_from_another_lineage_is_reset_and_syncs_again() {
 /// address it records in its Postgres change DB. Both start on an empty
 /// disk after Sluice purged its snapshot: `tools/zero-replica.mjs` writes
 /// each replica from Sluice's table state, with Sluice's replica version.
-/// Each then subscribes to `/replication/v6/changes` from there, serves a
-/// Zero client the upstream's rows (also those written between the
-/// bootstrap and its start) and live changes, and its replica ends equal to
-/// the upstream.
+/// Each then subscribes to `/replication/v6/changes` from there and serves
+/// a Zero client the upstream's rows (also those written between the
+/// bootstrap and its start) and live changes. A CRUD insert through one
+/// round-trips through the upstream and Sluice to the other. Sluice is
+/// SIGKILLed twice while the upstream writes, and both replicas end equal
+/// to the upstream, row by row.
 #[test]
 fn view_syncers_bootstrapped_after_a_purge_serve_clients() {
     let dir = tempfile::tempdir().unwrap();
@@ -379,7 +381,8 @@ fn view_syncers_bootstrapped_after_a_purge_serve_clients() {
     // permissions let anyone read and insert items.
     let config = json!({ "url": up, "slot": "zc_vs", "zero": {"app_id": "zero", "shard_num": 0} }).to_string();
     let extra = ["--purge-interval-secs", "1", "--change-db", &change_db];
-    let mut sluice = spawn_sluice(dir.path(), &addr, "postgres", &config, &extra);
+    let spawn = || spawn_sluice(dir.path(), &addr, "postgres", &config, &extra);
+    let mut sluice = spawn();
     wait_for_lineage(dir.path(), &addr);
     let allow = json!([["allow", {"type": "and", "conditions": []}]]);
     let rules = json!({"tables": {"items": {"row": {"select": allow, "insert": allow}}}});
@@ -447,6 +450,33 @@ fn view_syncers_bootstrapped_after_a_purge_serve_clients() {
 
     let discovered = format!("connecting to change-streamer@ws://{addr}/");
     assert!(view_syncers[1].log_text().contains(&discovered), "zc_vs_b did not discover {addr}");
+
+    // Writes go on while Sluice is SIGKILLed and restarted twice; the
+    // view-syncers reconnect on their own.
+    let writing = Arc::new(AtomicBool::new(true));
+    let writer = {
+        let (up, writing) = (up.clone(), writing.clone());
+        std::thread::spawn(move || {
+            let mut i = 3000;
+            while writing.load(Ordering::Relaxed) {
+                psql(
+                    &up,
+                    &format!("BEGIN; INSERT INTO items VALUES ({i}, 'w'); UPDATE items SET name = 'u{i}' WHERE id = 3; COMMIT"),
+                );
+                i += 1;
+            }
+        })
+    };
+    let mut rng = common::process::Rng::from_env("SLUICE_ZERO_CACHE_SEED", "view-syncer kill moments");
+    for _ in 0..2 {
+        std::thread::sleep(Duration::from_millis(rng.range(300, 1500)));
+        sluice.kill().unwrap();
+        sluice.wait().unwrap();
+        sluice = spawn();
+    }
+    std::thread::sleep(Duration::from_millis(rng.range(300, 1000)));
+    writing.store(false, Ordering::Relaxed);
+    writer.join().unwrap();
 
     // Each view-syncer's replica equals the upstream, row by row.
     let upstream =
