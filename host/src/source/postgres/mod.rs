@@ -6,6 +6,7 @@
 //!   exported snapshot.
 //! * [`stream`]: `START_REPLICATION`, decoding, acks and keepalives.
 //! * [`wire`], [`pgoutput`], [`values`], [`schema`]: the protocol pieces.
+//! * [`zero_shard`]: Zero's upstream tables, created and streamed on request.
 
 pub mod pgoutput;
 pub mod schema;
