@@ -78,5 +78,4 @@ const { watermark } = db.prepare('SELECT stateVersion AS watermark FROM "_zero.r
 if (watermark < replicaVersion) fail(`the initial sync's watermark ${watermark} predates Sluice's replica version ${replicaVersion}`);
 db.prepare('UPDATE "_zero.replicationConfig" SET replicaVersion = ?').run(replicaVersion);
 db.close();
-process.stdout.write(JSON.stringify({ replicaVersion, watermark }) + '\n');
-process.exit(0);
+process.stdout.write(JSON.stringify({ replicaVersion, watermark }) + '\n', () => process.exit(0));

@@ -1,20 +1,23 @@
-//! A real zero-cache 1.9.0 fed two ways from the same Postgres table, in one
-//! run:
+//! A real zero-cache 1.9.0 fed three ways from the same Postgres table, in
+//! one run:
 //!
 //! 1. Postgres -> Sluice (built-in source, table state kept) -> zero-cache
 //!    through Zero's custom change-source protocol;
-//! 2. Postgres -> zero-cache's own Postgres change source.
+//! 2. Postgres -> Sluice -> a zero-cache view-syncer on Sluice's
+//!    `/replication/v6/changes`, its replica written by
+//!    `tools/zero-replica.mjs`;
+//! 3. Postgres -> zero-cache's own Postgres change source (single node).
 //!
-//! For each: the initial sync of the table (from process start until
-//! zero-cache reports ready, which it does once its replica holds every
-//! row) and the live latency from an upstream commit to the row being
-//! readable in zero-cache's replica file, at 1,000 changes/s.
+//! For each: the start-up (from process start until zero-cache reports
+//! ready, which includes its initial sync) and the live latency at 1,000
+//! changes/s from an upstream commit to the row being readable in
+//! zero-cache's replica file and, for 2 and 3, to a Zero client showing it.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use zero_harness::{database_url, interop_dir, Upstream, ZeroCache};
+use zero_harness::{database_url, interop_dir, Streamer, Upstream, ZeroCache};
 
 use super::{free_addr, percentile, sluice_binary};
 
@@ -34,13 +37,27 @@ async fn connect(url: &str) -> anyhow::Result<tokio_postgres::Client> {
 /// Drops the replication slots on the bench database (Sluice's, and the
 /// ones zero-cache's own source made), so the database can be dropped.
 async fn drop_slots(admin: &tokio_postgres::Client) -> anyhow::Result<()> {
+    let ours = format!("(database = '{DB}' OR slot_name = '{SLOT}')");
+    // A stopped zero-cache's walsender may outlive it for a moment.
     admin
         .batch_execute(&format!(
-            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
-             WHERE database = '{DB}' OR slot_name = '{SLOT}'"
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE {ours} AND active_pid IS NOT NULL"
         ))
         .await?;
-    Ok(())
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let dropped = admin
+            .batch_execute(&format!(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE {ours}"
+            ))
+            .await;
+        match dropped {
+            Ok(()) => return Ok(()),
+            // Still held by a walsender that is terminating.
+            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(200)).await,
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
@@ -66,10 +83,6 @@ pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
     println!("upstream: {rows} rows (int8 id, ~20 B text, float8) loaded in {:.1} s", loaded.elapsed().as_secs_f64());
     let dir = tmp.join("zero");
     std::fs::create_dir_all(&dir)?;
-    std::fs::write(
-        dir.join("permissions.json"),
-        r#"{"tables": {"items": {"row": {"select": [["allow", {"type": "and", "conditions": []}]]}}}}"#,
-    )?;
 
     // 1. Through Sluice.
     let addr = free_addr();
@@ -83,6 +96,11 @@ pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let secs = started.elapsed().as_secs_f64();
+    up.batch_execute(
+        r#"UPDATE zero.permissions SET permissions =
+           '{"tables": {"items": {"row": {"select": [["allow", {"type": "and", "conditions": []}]]}}}}'"#,
+    )
+    .await?;
     println!(
         "Sluice: its snapshot of {rows} rows durable (change log + table state, SQLite) {secs:.1} s after process start: {:.0} rows/s",
         rows as f64 / secs
@@ -92,25 +110,47 @@ pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
         "Sluice: the initial sync ({messages} messages) read by a client that only counts them, in {secs:.2} s: {:.0} rows/s",
         rows as f64 / secs
     );
+    let mut next = rows + 1;
     let (zc, secs) = start_zero_cache("bench_zc_sluice", Upstream::Sluice(addr.clone()), server, &dir).await?;
     println!(
         "zero-cache on Sluice: initial sync of {rows} rows, process start to ready, {secs:.1} s: {:.0} rows/s",
         rows as f64 / secs
     );
-    live_latency("zero-cache on Sluice", &zc, &up, rows, live_secs).await?;
+    replica_latency("zero-cache on Sluice", &zc, &up, &mut next, live_secs).await?;
+    drop(zc);
+
+    // 2. A view-syncer on Sluice.
+    let name = "bench_zc_vs";
+    let started = Instant::now();
+    let (sluice_addr, file) = (addr.clone(), zero_harness::replica_file(name, &dir));
+    tokio::task::spawn_blocking(move || zero_harness::bootstrap_replica(&sluice_addr, &file)).await?;
+    let bootstrap = started.elapsed().as_secs_f64();
+    let view_syncer = Upstream::ViewSyncer { streamer: Streamer::Uri(addr.clone()), upstream: up_url.clone() };
+    let (zc, secs) = start_zero_cache(name, view_syncer, server, &dir).await?;
+    println!(
+        "view-syncer on Sluice: replica written by tools/zero-replica.mjs in {bootstrap:.1} s, then process start to ready {secs:.1} s"
+    );
+    replica_latency("view-syncer on Sluice", &zc, &up, &mut next, live_secs).await?;
+    client_latency("view-syncer on Sluice", &zc, &up, &mut next, live_secs).await?;
     drop(zc);
     let _ = sluice.kill();
     let _ = sluice.wait();
-    up.batch_execute(&format!("DELETE FROM items WHERE id > {rows}")).await?;
     drop_slots(&admin).await?;
+    // zero-cache's own set-up creates its shard's tables without IF NOT
+    // EXISTS: take Sluice's away (the permissions row stays).
+    up.batch_execute("DROP SCHEMA zero_0 CASCADE; DROP PUBLICATION IF EXISTS _zero_metadata_0").await?;
+    let live_rows = next - rows - 1;
+    up.batch_execute(&format!("DELETE FROM items WHERE id > {rows}")).await?;
 
-    // 2. zero-cache's own Postgres source, on the same rows.
+    // 3. zero-cache's own Postgres source, on the same rows.
     let (zc, secs) = start_zero_cache("bench_zc_pg", Upstream::Postgres(up_url.clone()), server, &dir).await?;
     println!(
         "zero-cache on its own Postgres source: initial sync of {rows} rows, process start to ready, {secs:.1} s: {:.0} rows/s",
         rows as f64 / secs
     );
-    live_latency("zero-cache on its own Postgres source", &zc, &up, rows, live_secs).await?;
+    next = rows + live_rows + 1;
+    replica_latency("zero-cache on its own Postgres source", &zc, &up, &mut next, live_secs).await?;
+    client_latency("zero-cache on its own Postgres source", &zc, &up, &mut next, live_secs).await?;
     drop(zc);
     drop(up);
     drop_slots(&admin).await?;
@@ -140,13 +180,13 @@ async fn read_initial_sync(addr: &str) -> anyhow::Result<(u64, f64)> {
 
 fn spawn_sluice(dir: &Path, addr: &str, up_url: &str) -> anyhow::Result<Child> {
     let log = std::fs::File::create(dir.join("sluice.log"))?;
-    let config = serde_json::json!({ "url": up_url, "slot": SLOT }).to_string();
+    // Zero's upstream tables are created and replicated, for the view-syncer.
+    let config =
+        serde_json::json!({ "url": up_url, "slot": SLOT, "zero": {"app_id": "zero", "shard_num": 0} }).to_string();
     Ok(Command::new(sluice_binary())
         .args(["run", "--source", "postgres", "--source-config", &config, "--listen", addr, "--table-state"])
         .arg("--change-db")
         .arg(format!("sqlite:{}", dir.join("sluice.db").display()))
-        .arg("--zero-permissions")
-        .arg(dir.join("permissions.json"))
         .stdout(Stdio::from(log.try_clone()?))
         .stderr(Stdio::from(log))
         .spawn()?)
@@ -169,43 +209,88 @@ async fn start_zero_cache(
     .await?)
 }
 
-/// Commits 10 rows every 10 ms for `secs` seconds (1,000 changes/s), each
-/// stamped with the time just before its commit, while a watcher reads
-/// zero-cache's replica file; prints p50/p99/max of commit to readable.
-async fn live_latency(
+/// Commits 10 rows every 10 ms for `secs` seconds (1,000 changes/s) from id
+/// `next` on, each stamped with the time just before its commit.
+async fn write_live(up: &tokio_postgres::Client, next: &mut u64, secs: u64) -> anyhow::Result<()> {
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    for _ in 0..secs * 100 {
+        tick.tick().await;
+        let t = now_ms();
+        let values: Vec<String> = (*next..*next + 10).map(|id| format!("({id}, 'live {id}', {t})")).collect();
+        up.batch_execute(&format!("INSERT INTO items VALUES {}", values.join(","))).await?;
+        *next += 10;
+    }
+    Ok(())
+}
+
+/// Live rows while a watcher reads zero-cache's replica file: commit to
+/// readable there.
+async fn replica_latency(
     what: &str,
     zc: &ZeroCache,
     up: &tokio_postgres::Client,
-    after: u64,
+    next: &mut u64,
     secs: u64,
 ) -> anyhow::Result<()> {
     let total = secs * 1000;
     let watcher = Command::new("node")
         .arg(interop_dir().join("replica-latency.mjs"))
         .arg(zc.replica())
-        .args(["items", &after.to_string(), &total.to_string(), &((secs + 60) * 1000).to_string()])
+        .args(["items", &(*next - 1).to_string(), &total.to_string(), &((secs + 60) * 1000).to_string()])
         .current_dir(interop_dir())
         .stdout(Stdio::piped())
         .spawn()?;
     let watching = tokio::task::spawn_blocking(move || watcher.wait_with_output());
-    let mut tick = tokio::time::interval(Duration::from_millis(10));
-    let mut next = after + 1;
-    for _ in 0..secs * 100 {
-        tick.tick().await;
-        let t = now_ms();
-        let values: Vec<String> = (next..next + 10).map(|id| format!("({id}, 'live {id}', {t})")).collect();
-        up.batch_execute(&format!("INSERT INTO items VALUES {}", values.join(","))).await?;
-        next += 10;
-    }
+    write_live(up, next, secs).await?;
     let out = watching.await??;
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    report(what, "readable in its replica", total, secs, &out.stdout)
+}
+
+/// Live rows while Zero's own client (`tests/interop/client-latency.mjs`)
+/// queries them through zero-cache: commit to shown by the client.
+async fn client_latency(
+    what: &str,
+    zc: &ZeroCache,
+    up: &tokio_postgres::Client,
+    next: &mut u64,
+    secs: u64,
+) -> anyhow::Result<()> {
+    use std::io::BufRead;
+    let total = secs * 1000;
+    let mut client = Command::new("node")
+        .arg(interop_dir().join("client-latency.mjs"))
+        // Zero's client trips Node's listener-count warning; it is harmless.
+        .env("NODE_NO_WARNINGS", "1")
+        .args([&zc.server(), "items", &(*next - 1).to_string(), &total.to_string(), &((secs + 90) * 1000).to_string()])
+        .current_dir(interop_dir())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let stdout = client.stdout.take().ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    let reading = tokio::task::spawn_blocking(move || {
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let first = lines.next().transpose()?;
+        let _ = ready_tx.send(first);
+        let report = lines.next().transpose()?.unwrap_or_default();
+        let _ = client.wait();
+        anyhow::Ok(report)
+    });
+    let first = tokio::time::timeout(Duration::from_secs(120), ready_rx).await??;
+    anyhow::ensure!(first.as_deref().is_some_and(|l| l.contains("ready")), "the client never got ready: {first:?}");
+    write_live(up, next, secs).await?;
+    let out = reading.await??;
+    report(what, "shown by a Zero client", total, secs, out.as_bytes())
+}
+
+fn report(what: &str, where_: &str, total: u64, secs: u64, json: &[u8]) -> anyhow::Result<()> {
+    let report: serde_json::Value = serde_json::from_slice(json)?;
     let mut lat: Vec<u64> = report["latenciesMs"]
         .as_array()
         .map(|a| a.iter().filter_map(|v| v.as_f64()).map(|ms| (ms.max(0.0) * 1000.0) as u64).collect())
         .unwrap_or_default();
     lat.sort_unstable();
     println!(
-        "{what}: live, 1,000 changes/s (10-row commits) for {secs} s: {} of {total} rows seen; commit to readable in the replica p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+        "{what}: live, 1,000 changes/s (10-row commits) for {secs} s: {} of {total} rows seen; commit to {where_} p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
         lat.len(),
         percentile(&lat, 0.5),
         percentile(&lat, 0.99),
