@@ -705,8 +705,9 @@ impl LogSnapshot for PgSnapshot {
         &self.last_watermark
     }
 
-    /// Reads the next batch from the snapshot's cursor (the cursor keeps the
-    /// position, so `after` is not needed here).
+    /// Reads the next batch from the snapshot's server-side cursor, which
+    /// keeps the position; `after` matters only when it differs from where
+    /// the cursor stands.
     fn read(&mut self, from: &str, after: Option<(&str, i64)>, limit: usize) -> anyhow::Result<Vec<StoredRow>> {
         let s = self.schema.clone();
         let (from, last) = (from.to_string(), self.last_watermark.clone());
