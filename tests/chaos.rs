@@ -414,12 +414,13 @@ async fn mock_chaos(variant: &str, backend: Backend, faults: bool, change_db_ser
     let mut rng = Rng(seed);
     let dir = tempfile::tempdir().unwrap();
     let mut spec = LogSpec::new(backend, dir.path());
-    if let (Some(pg), Some(server)) = (spec.pg.as_mut(), &change_db_server) {
-        pg.url = server.url();
+    let change_db_url = change_db_server.as_ref().map(|s| s.url()).unwrap_or_else(common::pg_url);
+    if let Some(pg) = spec.pg.as_mut() {
+        pg.target = sluice::pgconn::PgTarget::parse(&change_db_url).unwrap();
     }
     let change_db = match &spec.pg {
         None => vec!["--change-db".to_string(), format!("sqlite:{}", spec.sqlite.display())],
-        Some(pg) => vec!["--change-db".into(), pg.url.clone(), "--app-id".into(), pg.app_id.clone()],
+        Some(pg) => vec!["--change-db".into(), change_db_url.clone(), "--app-id".into(), pg.app_id.clone()],
     };
     let mut args: Vec<String> = ["--source", "mock-source", "--plugins"].iter().map(|s| s.to_string()).collect();
     args.push(plugin_dir().display().to_string());
@@ -1010,6 +1011,7 @@ async fn fuzz_subscriber_endpoint() {
         ping_interval: Duration::from_secs(30),
         filters: sluice::filter::FilterHost::none(),
         zero_permissions: None,
+        access: sluice::server::access::Access::open(),
     };
     let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
     tokio::spawn(serve);
@@ -1265,6 +1267,7 @@ async fn chaos_two_hosts_take_over_a_postgres_change_db() {
     let dir = tempfile::tempdir().unwrap();
     let spec = LogSpec::new(Backend::Postgres, dir.path());
     let pg = spec.pg.clone().unwrap();
+    let change_db_url = common::pg_url();
     let config = serde_json::json!({"rows_per_tx": ROWS, "tables": 2, "rate": 500}).to_string();
     let args = |task: &str| -> Vec<String> {
         [
@@ -1273,7 +1276,7 @@ async fn chaos_two_hosts_take_over_a_postgres_change_db() {
             "--source-config",
             &config,
             "--change-db",
-            &pg.url,
+            &change_db_url,
             "--app-id",
             &pg.app_id,
             "--task-id",

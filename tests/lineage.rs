@@ -63,7 +63,7 @@ fn spawn(spec: &LogSpec, addr: &str, source_config: &str) -> Child {
     cmd.args(["run", "--source", "postgres", "--listen", addr, "--source-config", source_config]);
     match &spec.pg {
         None => cmd.arg("--change-db").arg(format!("sqlite:{}", spec.sqlite.display())),
-        Some(pg) => cmd.args(["--change-db", &pg.url, "--app-id", &pg.app_id]),
+        Some(pg) => cmd.args(["--change-db", &common::pg_url(), "--app-id", &pg.app_id]),
     };
     cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap()
 }

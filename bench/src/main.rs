@@ -518,7 +518,7 @@ async fn store_with(
 
 fn pg_settings(url: &str, app_id: &str) -> sluice::storage::postgres::PgSettings {
     sluice::storage::postgres::PgSettings {
-        url: url.to_string(),
+        target: sluice::pgconn::PgTarget::parse(url).expect("a Postgres URL"),
         app_id: app_id.to_string(),
         shard_num: 0,
         task_id: "sluice".into(),

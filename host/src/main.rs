@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 use sluice::cleanup::CleanupOptions;
+use sluice::pgconn::PgTarget;
 use sluice::plugin::{NetGrant, Registry, SandboxLimits};
 use sluice::service::{Service, ServiceConfig};
 use sluice::source::postgres::PostgresSource;
@@ -62,100 +63,122 @@ enum Command {
 #[derive(clap::Args)]
 struct RunArgs {
     /// Directory of plugin components (`*.wasm`).
-    #[arg(long, default_value = "target/plugins")]
+    #[arg(long, default_value = "target/plugins", env = "SLUICE_PLUGINS")]
     plugins: PathBuf,
     /// The source: `postgres` (built in) or the name of a source plugin (its file stem).
-    #[arg(long)]
+    #[arg(long, env = "SLUICE_SOURCE")]
     source: String,
     /// The source's configuration: JSON text, or @FILE to read it from a file.
-    #[arg(long, default_value = "{}")]
+    #[arg(long, default_value = "{}", env = "SLUICE_SOURCE_CONFIG")]
     source_config: String,
     /// Where the change log lives: `sqlite:PATH` (default), a path, or a
     /// `postgres://` URL (Zero's change DB schema).
-    #[arg(long, default_value = "sqlite:sluice-data/changelog.db")]
+    #[arg(long, default_value = "sqlite:sluice-data/changelog.db", env = "SLUICE_CHANGE_DB")]
     change_db: String,
     /// Address for the HTTP/WebSocket endpoint.
-    #[arg(long, default_value = "127.0.0.1:4849")]
+    #[arg(long, default_value = "127.0.0.1:4849", env = "SLUICE_LISTEN")]
     listen: String,
     /// This host's identity as the change log's owner.
-    #[arg(long, default_value = "sluice")]
+    #[arg(long, default_value = "sluice", env = "SLUICE_TASK_ID")]
     task_id: String,
     /// The address subscribers should dial (defaults to the listen address).
-    #[arg(long)]
+    #[arg(long, env = "SLUICE_ADVERTISE")]
     advertise: Option<String>,
     /// On `reset-required` from the upstream, wipe the change log and start a
     /// new lineage instead of only reporting it.
-    #[arg(long)]
+    #[arg(long, env = "SLUICE_AUTO_RESET")]
     auto_reset: bool,
     /// Keep the compacted table state beside the change log: the
     /// latest row of every key, updated in the same commit as the log, so a
     /// consumer can start from the current data even after a purge. Costs
     /// write throughput (see docs/benchmarks.md); starts with the next
     /// lineage.
-    #[arg(long)]
+    #[arg(long, env = "SLUICE_TABLE_STATE")]
     table_state: bool,
     /// Zero's permissions (compiled rules, a JSON object `{"tables": ...}`)
     /// for the `<app>.permissions` row Sluice serves a zero-cache whose
     /// upstream lacks Zero's tables. Without it the row holds NULL
     /// permissions, which zero-cache treats as no rules: clients' ad-hoc
     /// queries see no rows (see docs/zero-cache.md).
-    #[arg(long)]
+    #[arg(long, env = "SLUICE_ZERO_PERMISSIONS")]
     zero_permissions: Option<PathBuf>,
     /// Seconds a zero-cache's position in the change log is kept after it
     /// disconnects (and from the start of its initial sync), so it can
     /// resume after a restart; later it must sync again.
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 600, env = "SLUICE_CONSUMER_RETENTION_SECS")]
     consumer_retention_secs: u64,
     /// SQLite durability: `full` (default; commits survive power loss) or
     /// `normal` (commits survive a crash of Sluice, not of the machine).
-    #[arg(long, default_value = "full")]
+    #[arg(long, default_value = "full", env = "SLUICE_SYNC")]
     sync: String,
     /// Longest one call into a plugin may run, in milliseconds.
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 5000, env = "SLUICE_PLUGIN_DEADLINE_MS")]
     plugin_deadline_ms: u64,
     /// Memory cap of one plugin instance, in MiB.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, env = "SLUICE_PLUGIN_MEMORY_MB")]
     plugin_memory_mb: usize,
     /// Longest one call into a subscriber filter may run, in milliseconds.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, env = "SLUICE_FILTER_DEADLINE_MS")]
     filter_deadline_ms: u64,
     /// Memory cap of one filter instance, in MiB.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, env = "SLUICE_FILTER_MEMORY_MB")]
     filter_memory_mb: usize,
     /// Let the source plugin connect to HOST:PORT (repeatable), besides the
     /// upstream its config names (`url`, or `host` and `port`), which it may
     /// always reach. Nothing else is reachable.
-    #[arg(long = "allow-net")]
+    #[arg(long = "allow-net", env = "SLUICE_ALLOW_NET", value_delimiter = ',')]
     allow_net: Vec<String>,
     /// Compiled-plugin cache directory (default: `.cache` inside the data directory).
-    #[arg(long)]
+    #[arg(long, env = "SLUICE_CACHE_DIR")]
     cache_dir: Option<PathBuf>,
     /// Bytes of changes that may wait for storage before the source is paused, in MiB.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, env = "SLUICE_QUEUE_BUDGET_MB")]
     queue_budget_mb: usize,
     /// Seconds between purges of the change log.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, env = "SLUICE_PURGE_INTERVAL_SECS")]
     purge_interval_secs: u64,
     /// Always keep at least the newest N transactions.
-    #[arg(long)]
+    #[arg(long, env = "SLUICE_RETAIN_TRANSACTIONS")]
     retain_transactions: Option<u64>,
     /// Always keep the transactions stored within the last N seconds.
-    #[arg(long)]
+    #[arg(long, env = "SLUICE_RETAIN_SECS")]
     retain_secs: Option<u64>,
     /// Close a subscriber that lags continuously for this long (0: never).
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, env = "SLUICE_LAG_GRACE_SECS")]
     lag_grace_secs: u64,
     /// Zero app ID: the Postgres change DB schema is "<app-id>_<shard-num>/cdc".
-    #[arg(long, default_value = "zero")]
+    #[arg(long, default_value = "zero", env = "SLUICE_APP_ID")]
     app_id: String,
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, env = "SLUICE_SHARD_NUM")]
     shard_num: u32,
     /// Postgres change DB statement timeout, in milliseconds.
-    #[arg(long, default_value_t = 20000)]
+    #[arg(long, default_value_t = 20000, env = "SLUICE_STATEMENT_TIMEOUT_MS")]
     statement_timeout_ms: u64,
     /// Backlog a catching-up subscriber may accumulate, in MiB.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, env = "SLUICE_BACKLOG_MB")]
     backlog_mb: usize,
+    /// A TOML file of settings, named as the flags are (`listen = "..."`,
+    /// `allow-filter = ["redact"]`). Flags and `SLUICE_*` variables win over it.
+    #[arg(long, env = "SLUICE_CONFIG")]
+    config: Option<PathBuf>,
+    /// Subscribers and zero-caches must present this token (see
+    /// docs/security.md); prefer --token-file or the variable, which `ps`
+    /// does not show.
+    #[arg(long, env = "SLUICE_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// A file holding the token (its first line).
+    #[arg(long, env = "SLUICE_TOKEN_FILE", conflicts_with = "token")]
+    token_file: Option<PathBuf>,
+    /// Most stream connections open at once (0: no cap).
+    #[arg(long, default_value_t = 10_000, env = "SLUICE_MAX_CONNECTIONS")]
+    max_connections: usize,
+    /// Most stream connections open at once from one client address (0: no cap).
+    #[arg(long, default_value_t = 0, env = "SLUICE_MAX_CONNECTIONS_PER_ADDRESS")]
+    max_connections_per_address: usize,
+    /// The filter plugins subscribers may use (repeatable; default: every
+    /// filter in the plugin directory).
+    #[arg(long = "allow-filter", env = "SLUICE_ALLOW_FILTER", value_delimiter = ',')]
+    allow_filter: Option<Vec<String>>,
 }
 
 fn main() -> ExitCode {
@@ -165,8 +188,16 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,wasmtime=warn,cranelift=warn")),
         )
         .with_writer(std::io::stderr)
+        // Colour only for a person at a terminal, never into a collector's file.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
+    let cli = match with_config_file(std::env::args().collect()) {
+        Ok(argv) => Cli::parse_from(argv),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -193,19 +224,49 @@ fn main() -> ExitCode {
     }
 }
 
+/// `argv` with the settings of `run --config FILE` (or `SLUICE_CONFIG`)
+/// appended as flags (see `sluice::settings_file`).
+fn with_config_file(mut argv: Vec<String>) -> anyhow::Result<Vec<String>> {
+    if argv.get(1).map(String::as_str) != Some("run") {
+        return Ok(argv);
+    }
+    let mut file = std::env::var_os("SLUICE_CONFIG").map(PathBuf::from);
+    for (i, a) in argv.iter().enumerate() {
+        if let Some(f) = a.strip_prefix("--config=") {
+            file = Some(PathBuf::from(f));
+        } else if a == "--config" {
+            file = argv.get(i + 1).map(PathBuf::from);
+        }
+    }
+    if let Some(file) = file {
+        let command = <Cli as clap::CommandFactory>::command();
+        let run = command.find_subcommand("run").expect("the run subcommand");
+        let flags = sluice::settings_file::flags_from_file(&file, run, &argv[2..])?;
+        argv.extend(flags);
+    }
+    Ok(argv)
+}
+
 /// Where the change log lives.
 enum ChangeDb {
     Sqlite(PathBuf),
-    Postgres(String),
+    Postgres(Box<PgTarget>),
 }
 
+/// `sqlite:PATH`, a bare path (SQLite), or a Postgres connection string in
+/// either libpq form. A keyword string (`host=... dbname=...`) is Postgres:
+/// anything with `=` that fails to parse as one is an error, not a file name.
 fn parse_change_db(change_db: &str) -> anyhow::Result<ChangeDb> {
-    if change_db.starts_with("postgres://") || change_db.starts_with("postgresql://") {
-        return Ok(ChangeDb::Postgres(change_db.to_string()));
+    if let Some(path) = change_db.strip_prefix("sqlite:") {
+        anyhow::ensure!(!path.is_empty(), "--change-db sqlite: needs a file path");
+        return Ok(ChangeDb::Sqlite(PathBuf::from(path)));
     }
-    let path = change_db.strip_prefix("sqlite:").unwrap_or(change_db);
-    anyhow::ensure!(!path.is_empty(), "--change-db sqlite: needs a file path");
-    Ok(ChangeDb::Sqlite(PathBuf::from(path)))
+    if change_db.starts_with("postgres://") || change_db.starts_with("postgresql://") || change_db.contains('=') {
+        let target = PgTarget::parse(change_db).map_err(|e| anyhow::anyhow!("--change-db: {e}"))?;
+        return Ok(ChangeDb::Postgres(Box::new(target)));
+    }
+    anyhow::ensure!(!change_db.is_empty(), "--change-db needs sqlite:PATH or a Postgres connection string");
+    Ok(ChangeDb::Sqlite(PathBuf::from(change_db)))
 }
 
 fn read_source_config(arg: &str) -> anyhow::Result<String> {
@@ -271,7 +332,35 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         call_deadline: Duration::from_millis(args.filter_deadline_ms),
         memory_bytes: args.filter_memory_mb << 20,
     };
-    let filters = sluice::plugin::FilterPlugins::host(registry.clone(), filter_limits);
+    let filters =
+        sluice::plugin::FilterPlugins::host_allowing(registry.clone(), filter_limits, args.allow_filter.clone());
+    let token = match (&args.token, &args.token_file) {
+        (Some(t), _) => Some(t.clone()),
+        (None, Some(file)) => Some(
+            std::fs::read_to_string(file)
+                .with_context(|| format!("reading --token-file {}", file.display()))?
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+        ),
+        (None, None) => None,
+    };
+    anyhow::ensure!(token.as_ref().is_none_or(|t| !t.is_empty()), "the token is empty (--token / --token-file)");
+    let access = sluice::server::access::Access::new(sluice::server::access::AccessOptions {
+        token,
+        max_connections: args.max_connections,
+        max_per_address: args.max_connections_per_address,
+    });
+    if let Some(advertise) = &args.advertise {
+        if let Ok(addr) = advertise.parse::<std::net::SocketAddr>() {
+            anyhow::ensure!(
+                !addr.ip().is_unspecified(),
+                "--advertise {advertise}: subscribers cannot dial an unspecified address; give this host's name or IP"
+            );
+        }
+    }
     anyhow::ensure!(
         !args.app_id.is_empty()
             && args.app_id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
@@ -285,9 +374,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 Arc::new(SqliteReader::new(path)),
                 path.display().to_string(),
             ),
-            ChangeDb::Postgres(url) => {
+            ChangeDb::Postgres(target) => {
                 let settings = PgSettings {
-                    url: url.clone(),
+                    target: (**target).clone(),
                     app_id: args.app_id.clone(),
                     shard_num: args.shard_num,
                     task_id: args.task_id.clone(),
@@ -301,7 +390,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                         .with_table_state(args.table_state)
                 })?;
                 let schema = settings.schema();
-                (Box::new(log), Arc::new(PostgresReader::new(settings, rt)), format!("Postgres schema {schema}"))
+                let place = format!("Postgres schema {schema} at {}", target.describe());
+                (Box::new(log), Arc::new(PostgresReader::new(settings, rt)), place)
             }
         };
 
@@ -330,6 +420,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         zero_permissions,
         consumer_retention: Duration::from_secs(args.consumer_retention_secs),
         log_progress: true,
+        access,
         ..ServiceConfig::new(source, log, reader)
     };
     let mut service = Service::start(config).await?;

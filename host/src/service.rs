@@ -56,6 +56,8 @@ pub struct ServiceConfig {
     pub consumer_retention: Duration,
     /// One line of progress every 10 s while transactions are stored.
     pub log_progress: bool,
+    /// The endpoint's token and connection caps.
+    pub access: Arc<crate::server::access::Access>,
 }
 
 impl ServiceConfig {
@@ -74,6 +76,7 @@ impl ServiceConfig {
             ping_interval: Duration::from_secs(30),
             filters: FilterHost::none(),
             zero_permissions: None,
+            access: crate::server::access::Access::open(),
             consumer_retention: crate::reservations::DEFAULT_RETENTION,
             log_progress: false,
         }
@@ -125,6 +128,7 @@ impl Service {
             ping_interval: config.ping_interval,
             filters: config.filters,
             zero_permissions: config.zero_permissions.map(Arc::new),
+            access: config.access,
         };
         let (addr, serve) = crate::server::bind(&config.listen, crate::server::router(app), stop_rx.clone()).await?;
         if let Some(cleanup) = config.cleanup {

@@ -4,6 +4,7 @@
 pub mod feed;
 pub mod mariadb;
 pub mod pgserver;
+pub mod pki;
 pub mod process;
 pub mod replica;
 pub mod restartable;
@@ -131,7 +132,7 @@ impl LogSpec {
         let pg = (backend == Backend::Postgres).then(|| {
             let app_id = format!("t{}x{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
             PgSettings {
-                url: pg_url(),
+                target: sluice::pgconn::PgTarget::parse(&pg_url()).unwrap(),
                 // Per test, so a test can find (and cut) its own connections.
                 application_name: format!("sluice-test-{app_id}"),
                 synchronous_commit: true,
@@ -204,12 +205,8 @@ impl LogSpec {
     }
 
     pub async fn pg_client(&self) -> tokio_postgres::Client {
-        let (client, conn) =
-            tokio_postgres::connect(&self.pg.as_ref().expect("a Postgres log").url, tokio_postgres::NoTls)
-                .await
-                .unwrap();
-        tokio::spawn(conn);
-        client
+        let target = &self.pg.as_ref().expect("a Postgres log").target;
+        sluice::pgconn::connect(target, &target.config).await.unwrap()
     }
 
     pub fn schema(&self) -> String {
@@ -516,6 +513,7 @@ pub async fn serve_hub(hub: Arc<sluice::hub::Hub>, status: Arc<Status>) -> Serve
         ping_interval: Duration::from_secs(30),
         filters: sluice::filter::FilterHost::none(),
         zero_permissions: None,
+        access: sluice::server::access::Access::open(),
     };
     let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
     tokio::spawn(serve);

@@ -37,6 +37,38 @@ impl PgServer {
 
     /// [`PgServer::start`] on a given port.
     pub fn start_on(port: u16, settings: &[&str]) -> PgServer {
+        PgServer::start_prepared(port, settings, |_| {})
+    }
+
+    /// A server that accepts only TLS over TCP (`hostssl` lines alone), with
+    /// the certificates of `pki`: `sluice_cert` must show a client
+    /// certificate, `sluice_scram` a password (SCRAM), everyone else is
+    /// trusted.
+    pub fn start_tls(pki: &super::pki::Pki) -> PgServer {
+        let settings = [
+            "ssl=on",
+            "ssl_cert_file=server.crt",
+            "ssl_key_file=server.key",
+            "ssl_ca_file=ca.crt",
+            "wal_level=logical",
+            "max_wal_senders=10",
+            "max_replication_slots=10",
+        ];
+        PgServer::start_prepared(free_port(), &settings, |data| {
+            pki.install_server_files(data);
+            let hba = "local all all trust\n\
+                       hostssl all sluice_cert 127.0.0.1/32 cert\n\
+                       hostssl replication sluice_cert 127.0.0.1/32 cert\n\
+                       hostssl all sluice_scram 127.0.0.1/32 scram-sha-256\n\
+                       hostssl replication sluice_scram 127.0.0.1/32 scram-sha-256\n\
+                       hostssl all all 127.0.0.1/32 trust\n\
+                       hostssl replication all 127.0.0.1/32 trust\n";
+            std::fs::write(data.join("pg_hba.conf"), hba).unwrap();
+        })
+    }
+
+    /// initdb, then `prepare` the data directory, then start.
+    pub fn start_prepared(port: u16, settings: &[&str], prepare: impl FnOnce(&Path)) -> PgServer {
         let bindir = PathBuf::from(std::env::var("SLUICE_TEST_PG_BINDIR").expect(
             "SLUICE_TEST_PG_BINDIR is unset: run the tests through `make test` (tests/pg/with-postgres.sh sets it)",
         ));
@@ -49,6 +81,8 @@ impl PgServer {
             .output()
             .unwrap();
         assert!(out.status.success(), "initdb: {}", String::from_utf8_lossy(&out.stderr));
+        prepare(&data);
+        let _ = Command::new("chown").arg("-R").arg("postgres").arg(&data).output();
         let mut options = format!("-k {} -c listen_addresses=127.0.0.1", dir.path().display());
         for s in settings {
             options.push_str(&format!(" -c {s}"));

@@ -22,19 +22,41 @@ use crate::filter::{ChangeFilter, FilterFactory, FilterHost};
 pub struct FilterPlugins {
     registry: Arc<Registry>,
     limits: SandboxLimits,
+    /// The filters subscribers may ask for (`None`: every filter plugin in
+    /// the directory).
+    allowed: Option<Vec<String>>,
 }
 
 impl FilterPlugins {
     /// The filter host subscribers' chains are built by: the plugin
     /// directory's filters, or none without a directory.
     pub fn host(registry: Option<Arc<Registry>>, limits: SandboxLimits) -> Arc<FilterHost> {
-        FilterHost::new(registry.map(|registry| Arc::new(FilterPlugins { registry, limits }) as Arc<dyn FilterFactory>))
+        Self::host_allowing(registry, limits, None)
+    }
+
+    /// As [`FilterPlugins::host`], with only the `allowed` filters usable.
+    pub fn host_allowing(
+        registry: Option<Arc<Registry>>,
+        limits: SandboxLimits,
+        allowed: Option<Vec<String>>,
+    ) -> Arc<FilterHost> {
+        FilterHost::new(registry.map(|registry| {
+            Arc::new(FilterPlugins { registry, limits, allowed: allowed.clone() }) as Arc<dyn FilterFactory>
+        }))
     }
 }
 
 #[async_trait]
 impl FilterFactory for FilterPlugins {
     async fn create(&self, plugin: &str, config: &str) -> Result<Box<dyn ChangeFilter>, String> {
+        if let Some(allowed) = &self.allowed {
+            if !allowed.iter().any(|a| a == plugin) {
+                return Err(format!(
+                    "filter {plugin:?} is not allowed on this Sluice (allowed: {})",
+                    if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") }
+                ));
+            }
+        }
         let (engine, pre) = self.registry.filter(plugin).await?;
         Ok(Box::new(WasmFilter::create(&engine, &pre, plugin, config, self.limits).await?))
     }

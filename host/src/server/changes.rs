@@ -7,11 +7,12 @@
 //! answers neither pong nor message between two pings is dropped.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
-use axum::extract::{Path, Query, State};
+use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::response::Response;
 use futures::{SinkExt, StreamExt};
 
@@ -89,10 +90,16 @@ pub async fn changes(
     ws: WebSocketUpgrade,
     Path(segment): Path<String>,
     Query(query): Query<HashMap<String, String>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     State(app): State<AppState>,
 ) -> Response {
+    let permit = match app.access.admit(peer) {
+        Ok(permit) => permit,
+        Err(refusal) => return axum::response::IntoResponse::into_response(refusal),
+    };
     let ctx = parse_context(&segment, &query);
     limited(ws).on_upgrade(move |socket| async move {
+        let _permit = permit;
         match ctx {
             Err(message) => close_with_error(socket, &message).await,
             Ok(ctx) => serve(socket, ctx, app).await,
@@ -104,7 +111,13 @@ pub async fn snapshot(
     ws: WebSocketUpgrade,
     Path(segment): Path<String>,
     Query(query): Query<HashMap<String, String>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    State(app): State<AppState>,
 ) -> Response {
+    let permit = match app.access.admit(peer) {
+        Ok(permit) => permit,
+        Err(refusal) => return axum::response::IntoResponse::into_response(refusal),
+    };
     let path = format!("/replication/{segment}/snapshot");
     let result: Result<(), String> = check_protocol(&segment, &path).and_then(|_| {
         if param(&query, "taskID", false)?.is_none() {
@@ -113,6 +126,7 @@ pub async fn snapshot(
         Err("backups are not configured".to_string())
     });
     limited(ws).on_upgrade(move |socket| async move {
+        let _permit = permit;
         if let Err(message) = result {
             close_with_error(socket, &message).await;
         }

@@ -2,6 +2,7 @@
 //! WebSocket protocol in `changes`, and Zero's custom change-source protocol
 //! (Sluice as zero-cache's upstream) in `upstream`.
 
+pub mod access;
 pub mod changes;
 pub mod outbox;
 pub mod upstream;
@@ -32,17 +33,20 @@ pub struct AppState {
     /// The permissions row of Zero's tables when Sluice declares them for
     /// a zero-cache (`--zero-permissions`).
     pub zero_permissions: Option<Arc<zero_tables::Permissions>>,
+    /// The token and the connection caps.
+    pub access: Arc<access::Access>,
 }
 
+/// The routes. The health checks stay open; everything else needs the
+/// token when one is set.
 pub fn router(state: AppState) -> Router {
-    Router::new()
-        .route("/", get(ok))
-        .route("/keepalive", get(ok))
+    let guarded = Router::new()
         .route("/status", get(status_json))
         .route("/replication/{version}/changes", get(changes::changes))
         .route("/replication/{version}/snapshot", get(changes::snapshot))
         .route("/changes/v0/stream", get(upstream::stream))
-        .with_state(state)
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), access::require_token));
+    Router::new().route("/", get(ok)).route("/keepalive", get(ok)).merge(guarded).with_state(state)
 }
 
 async fn ok() -> &'static str {
@@ -81,7 +85,8 @@ pub async fn bind(
             tracing::debug!("cannot set TCP_NODELAY: {e}");
         }
     });
-    let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
+    let service = router.into_make_service_with_connect_info::<SocketAddr>();
+    let serve = axum::serve(listener, service).with_graceful_shutdown(async move {
         let _ = shutdown.wait_for(|stop| *stop).await;
     });
     Ok((local, async move { serve.await }))

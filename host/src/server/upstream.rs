@@ -19,7 +19,7 @@
 use std::sync::Arc;
 
 use axum::extract::ws::{Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
-use axum::extract::{RawQuery, State};
+use axum::extract::{ConnectInfo, RawQuery, State};
 use axum::response::Response;
 use futures::stream::SplitSink;
 use futures::{SinkExt, StreamExt};
@@ -66,9 +66,19 @@ pub fn parse_request(query: &str) -> Result<StreamRequest, String> {
     })
 }
 
-pub async fn stream(ws: WebSocketUpgrade, RawQuery(query): RawQuery, State(app): State<AppState>) -> Response {
+pub async fn stream(
+    ws: WebSocketUpgrade,
+    RawQuery(query): RawQuery,
+    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
+    State(app): State<AppState>,
+) -> Response {
+    let permit = match app.access.admit(peer) {
+        Ok(permit) => permit,
+        Err(refusal) => return axum::response::IntoResponse::into_response(refusal),
+    };
     let request = parse_request(query.as_deref().unwrap_or(""));
     ws.on_upgrade(move |socket| async move {
+        let _permit = permit;
         match request {
             Err(message) => close_with_error(socket, &message).await,
             Ok(request) => serve(socket, request, app).await,

@@ -18,7 +18,9 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::runtime::Handle;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
+
+use crate::pgconn::{self, PgTarget};
 
 use super::{
     Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, NewLineage, StateRow, StorageError, StoredRow,
@@ -31,7 +33,8 @@ const MIN_SAFE_VERSION: i32 = 1;
 /// Connection settings shared by the writer and the readers.
 #[derive(Debug, Clone)]
 pub struct PgSettings {
-    pub url: String,
+    /// The change DB (`--change-db`), TLS settings included.
+    pub target: PgTarget,
     pub app_id: String,
     pub shard_num: u32,
     pub task_id: String,
@@ -51,19 +54,13 @@ impl PgSettings {
     }
 
     async fn connect(&self) -> anyhow::Result<Client> {
-        let mut config: tokio_postgres::Config =
-            self.url.parse().with_context(|| format!("--change-db {}: not a Postgres URL", redact(&self.url)))?;
+        let mut config = self.target.config.clone();
         config.application_name(&self.application_name);
         config.connect_timeout(Duration::from_secs(10));
-        let (client, connection) = config
-            .connect(NoTls)
-            .await
-            .with_context(|| format!("connecting to the change DB {}", redact(&self.url)))?;
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::warn!("change DB connection ended: {e}");
-            }
-        });
+        let client = pgconn::connect(&self.target, &config).await.map_err(|e| {
+            let line = pgconn::explain(pgconn::error_text(&e), &self.target);
+            anyhow::Error::new(e).context(format!("connecting to the change DB {}: {line}", self.target.describe()))
+        })?;
         client
             .batch_execute(&format!(
                 "SET statement_timeout = {}; SET synchronous_commit = {}",
@@ -73,20 +70,6 @@ impl PgSettings {
             .await
             .context("setting statement_timeout and synchronous_commit")?;
         Ok(client)
-    }
-}
-
-/// The URL without its password, for messages.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            match creds.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
-                None => url.to_string(),
-            }
-        }
-        _ => url.to_string(),
     }
 }
 
@@ -931,6 +914,8 @@ fn is_unreachable(e: &anyhow::Error) -> bool {
         return false;
     };
     match pg.as_db_error() {
+        // A certificate that does not verify will not verify next time either.
+        None if pgconn::is_tls_refusal(&pgconn::error_text(pg)) => false,
         None => true, // I/O: refused, reset, closed
         Some(db) => {
             let code = db.code().code();

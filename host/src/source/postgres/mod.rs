@@ -17,8 +17,6 @@ pub mod values;
 pub mod wire;
 pub mod zero_shard;
 
-use std::str::FromStr;
-
 use async_trait::async_trait;
 use serde::Deserialize;
 
@@ -109,7 +107,7 @@ impl PostgresSourceConfig {
 
 pub struct PostgresSource {
     config: PostgresSourceConfig,
-    pg: tokio_postgres::Config,
+    pg: crate::pgconn::PgTarget,
     warned_degraded: bool,
 }
 
@@ -117,7 +115,7 @@ impl PostgresSource {
     pub fn new(config_json: &str) -> Result<Self, String> {
         let config = PostgresSourceConfig::parse(config_json)?;
         let pg =
-            tokio_postgres::Config::from_str(&config.url).map_err(|e| format!("postgres source config: url: {e}"))?;
+            crate::pgconn::PgTarget::parse(&config.url).map_err(|e| format!("postgres source config: url: {e}"))?;
         Ok(PostgresSource { config, pg, warned_degraded: false })
     }
 }

@@ -3,11 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use tokio_postgres::NoTls;
-
 use super::schema::{self, Schema};
 use super::wire::{parse_lsn, ReplConnection};
 use super::PostgresSourceConfig;
+use crate::pgconn::{self, PgTarget};
 use crate::source::SourceError;
 use crate::watermark::to_lexi;
 
@@ -19,9 +18,9 @@ const SESSION_OPTIONS: &str =
 pub const APPLICATION_NAME: &str = "sluice-replicator";
 
 /// The upstream URL's settings plus [`SESSION_OPTIONS`].
-pub fn session_config(pg: &tokio_postgres::Config) -> tokio_postgres::Config {
-    let mut cfg = pg.clone();
-    let options = match pg.get_options() {
+pub fn session_config(pg: &PgTarget) -> tokio_postgres::Config {
+    let mut cfg = pg.config.clone();
+    let options = match pg.config.get_options() {
         Some(user) => format!("{SESSION_OPTIONS} {user}"),
         None => SESSION_OPTIONS.to_string(),
     };
@@ -34,10 +33,7 @@ pub fn session_config(pg: &tokio_postgres::Config) -> tokio_postgres::Config {
 
 /// A failure of the normal (non-replication) upstream connection.
 pub fn pg_error(what: &str, e: tokio_postgres::Error) -> SourceError {
-    let text = match e.as_db_error() {
-        Some(db) => format!("{what}: {} (SQLSTATE {})", db.message(), db.code().code()),
-        None => format!("{what}: {e}"),
-    };
+    let text = format!("{what}: {}", pgconn::error_text(&e));
     let code = e.code().map(|c| c.code().to_string()).unwrap_or_default();
     // Wrong credentials, no such database, no privilege: retrying will not help.
     if code.starts_with("28") || code == "3D000" || code == "42501" {
@@ -47,14 +43,18 @@ pub fn pg_error(what: &str, e: tokio_postgres::Error) -> SourceError {
     }
 }
 
-pub async fn connect_client(pg: &tokio_postgres::Config, what: &str) -> Result<tokio_postgres::Client, SourceError> {
-    let (client, connection) = session_config(pg).connect(NoTls).await.map_err(|e| pg_error(what, e))?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!("upstream connection closed: {e}");
-        }
-    });
-    Ok(client)
+/// A failure to connect: as [`pg_error`], with what to change for TLS
+/// failures, and fatal where the next attempt would fail alike.
+pub fn connect_error(pg: &PgTarget, what: &str, e: tokio_postgres::Error) -> SourceError {
+    match pg_error(&format!("{what} {}", pg.describe()), e) {
+        SourceError::Transient(text) if pgconn::is_tls_refusal(&text) => SourceError::Fatal(pgconn::explain(text, pg)),
+        SourceError::Transient(text) => SourceError::Transient(pgconn::explain(text, pg)),
+        SourceError::Fatal(text) => SourceError::Fatal(pgconn::explain(text, pg)),
+    }
+}
+
+pub async fn connect_client(pg: &PgTarget, what: &str) -> Result<tokio_postgres::Client, SourceError> {
+    pgconn::connect(pg, &session_config(pg)).await.map_err(|e| connect_error(pg, what, e))
 }
 
 /// A checked upstream with Sluice's objects in place.
@@ -81,7 +81,7 @@ pub struct CreatedSlot {
 }
 
 impl Upstream {
-    pub async fn connect(pg: &tokio_postgres::Config, config: &PostgresSourceConfig) -> Result<Self, SourceError> {
+    pub async fn connect(pg: &PgTarget, config: &PostgresSourceConfig) -> Result<Self, SourceError> {
         let client = connect_client(pg, "connecting to the upstream").await?;
         let q = |sql: &'static str| {
             let client = &client;
@@ -251,7 +251,7 @@ impl Upstream {
 
     /// Drops any old slot of this name and creates a new one with an
     /// exported snapshot.
-    pub async fn create_slot(&self, pg: &tokio_postgres::Config) -> Result<CreatedSlot, SourceError> {
+    pub async fn create_slot(&self, pg: &PgTarget) -> Result<CreatedSlot, SourceError> {
         if self.release_slot().await?.is_some() {
             self.client
                 .execute("SELECT pg_drop_replication_slot($1)", &[&self.slot])
@@ -268,7 +268,7 @@ impl Upstream {
             )
             .await
             .map_err(|e| pg_error("recording the published schema", e))?;
-        let mut connection = ReplConnection::connect(&session_config(pg), APPLICATION_NAME)
+        let mut connection = ReplConnection::connect(pg, &session_config(pg), APPLICATION_NAME)
             .await
             .map_err(|e| SourceError::Transient(format!("opening the replication connection: {e}")))?;
         let rows = connection

@@ -52,7 +52,7 @@ impl SnapshotStream {
     pub async fn start(
         upstream: Upstream,
         slot: CreatedSlot,
-        pg: &tokio_postgres::Config,
+        pg: &crate::pgconn::PgTarget,
         config: &PostgresSourceConfig,
     ) -> Result<Self, SourceError> {
         let client = connect_client(pg, "connecting to the upstream for the snapshot").await?;

@@ -74,11 +74,11 @@ impl ReplicationStream {
     /// Opens a replication connection and streams from `start`.
     pub async fn start(
         upstream: Upstream,
-        pg: &tokio_postgres::Config,
+        pg: &crate::pgconn::PgTarget,
         replica_version: String,
         start: u64,
     ) -> Result<Box<dyn ChangeStream>, SourceError> {
-        let connection = ReplConnection::connect(&session_config(pg), APPLICATION_NAME)
+        let connection = ReplConnection::connect(pg, &session_config(pg), APPLICATION_NAME)
             .await
             .map_err(|e| SourceError::Transient(format!("opening the replication connection: {e}")))?;
         Self::start_on(connection, upstream, replica_version, start, None).await

@@ -15,7 +15,10 @@ use bytes::{Buf, BytesMut};
 use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256};
 use postgres_protocol::message::frontend;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio_postgres::config::{Host, SslMode};
+use tokio_postgres::config::Host;
+
+use crate::pgconn::tls::{self, SslMode};
+use crate::pgconn::PgTarget;
 
 trait Socket: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Socket for T {}
@@ -59,6 +62,20 @@ fn io(e: std::io::Error) -> WireError {
     WireError::Io(e.to_string())
 }
 
+/// Sends SSLRequest; true when the server answers `S` (go ahead with TLS).
+async fn accepts_tls(socket: &mut tokio::net::TcpStream) -> Result<bool, WireError> {
+    let mut request = BytesMut::new();
+    frontend::ssl_request(&mut request);
+    socket.write_all(&request).await.map_err(io)?;
+    let mut answer = [0u8; 1];
+    socket.read_exact(&mut answer).await.map_err(io)?;
+    match answer[0] {
+        b'S' => Ok(true),
+        b'N' => Ok(false),
+        other => Err(WireError::Protocol(format!("unexpected answer {other:#x} to SSLRequest"))),
+    }
+}
+
 /// One backend message: its tag and body.
 pub struct Frame {
     pub tag: u8,
@@ -75,18 +92,18 @@ pub struct ReplConnection {
 pub type TextRows = Vec<Vec<Option<String>>>;
 
 impl ReplConnection {
-    /// Connects and authenticates with `replication=database`.
-    pub async fn connect(config: &tokio_postgres::Config, application_name: &str) -> Result<Self, WireError> {
-        if config.get_ssl_mode() == SslMode::Require {
-            return Err(WireError::Protocol(
-                "sslmode=require is not supported for the replication connection yet (use sslmode=disable or prefer)"
-                    .into(),
-            ));
-        }
+    /// Connects and authenticates with `replication=database`, over TLS as
+    /// the target's `sslmode` asks.
+    pub async fn connect(
+        target: &PgTarget,
+        config: &tokio_postgres::Config,
+        application_name: &str,
+    ) -> Result<Self, WireError> {
         let port = config.get_ports().first().copied().unwrap_or(5432);
+        let mut binding = None;
         let socket: Box<dyn Socket> = match config.get_hosts().first() {
             Some(Host::Tcp(host)) => {
-                let s = tokio::time::timeout(
+                let mut s = tokio::time::timeout(
                     Duration::from_secs(30),
                     tokio::net::TcpStream::connect((host.as_str(), port)),
                 )
@@ -94,7 +111,21 @@ impl ReplConnection {
                 .map_err(|_| WireError::Io(format!("connecting to {host}:{port} timed out")))?
                 .map_err(|e| WireError::Io(format!("connecting to {host}:{port}: {e}")))?;
                 s.set_nodelay(true).map_err(io)?;
-                Box::new(s)
+                if target.tls.mode != SslMode::Disable && accepts_tls(&mut s).await? {
+                    let tls = tls::handshake(target.tls.client_config(), host, s)
+                        .await
+                        .map_err(|e| WireError::Io(format!("error performing TLS handshake: {e}")))?;
+                    let (_, session) = tls.get_ref();
+                    binding = session.peer_certificates().and_then(|c| c.first()).and_then(|c| tls::end_point_hash(c));
+                    Box::new(tls)
+                } else if target.tls.mode.requires_tls() {
+                    return Err(WireError::Protocol(format!(
+                        "server does not support TLS (sslmode={})",
+                        target.tls.mode
+                    )));
+                } else {
+                    Box::new(s)
+                }
             }
             Some(Host::Unix(dir)) => {
                 let path = dir.join(format!(".s.PGSQL.{port}"));
@@ -121,7 +152,7 @@ impl ReplConnection {
         }
         frontend::startup_message(params.iter().copied(), &mut conn.write).map_err(io)?;
         conn.flush().await?;
-        conn.authenticate(&user, config.get_password()).await?;
+        conn.authenticate(&user, config.get_password(), binding, config.get_channel_binding()).await?;
         // Parameter statuses and the backend key, up to ReadyForQuery.
         loop {
             let f = conn.next_frame().await?;
@@ -133,7 +164,17 @@ impl ReplConnection {
         }
     }
 
-    async fn authenticate(&mut self, user: &str, password: Option<&[u8]>) -> Result<(), WireError> {
+    /// Password, md5 or SCRAM; SCRAM-SHA-256-PLUS when on TLS with a
+    /// certificate hash (`binding`) and the server offers it.
+    async fn authenticate(
+        &mut self,
+        user: &str,
+        password: Option<&[u8]>,
+        mut binding: Option<Vec<u8>>,
+        policy: tokio_postgres::config::ChannelBinding,
+    ) -> Result<(), WireError> {
+        use tokio_postgres::config::ChannelBinding as Policy;
+        let mut bound = false;
         let need_password = || {
             password.ok_or_else(|| WireError::Protocol("the server asks for a password and the URL has none".into()))
         };
@@ -154,6 +195,11 @@ impl ReplConnection {
                 return Err(WireError::Protocol("short authentication message".into()));
             }
             match f.body.get_i32() {
+                0 if policy == Policy::Require && !bound => {
+                    return Err(WireError::Protocol(
+                        "channel_binding=require, but the server did not authenticate with SCRAM-SHA-256-PLUS".into(),
+                    ))
+                }
                 0 => return Ok(()),
                 3 => {
                     frontend::password_message(need_password()?, &mut self.write).map_err(io)?;
@@ -168,11 +214,28 @@ impl ReplConnection {
                 }
                 10 => {
                     let offered = String::from_utf8_lossy(&f.body).to_string();
-                    if !offered.split('\0').any(|m| m == "SCRAM-SHA-256") {
+                    let plus = offered.split('\0').any(|m| m == "SCRAM-SHA-256-PLUS");
+                    if !plus && !offered.split('\0').any(|m| m == "SCRAM-SHA-256") {
                         return Err(WireError::Protocol(format!("no supported SASL mechanism offered ({offered:?})")));
                     }
-                    let s = ScramSha256::new(need_password()?, ChannelBinding::unsupported());
-                    frontend::sasl_initial_response("SCRAM-SHA-256", s.message(), &mut self.write).map_err(io)?;
+                    let (mechanism, channel) = match binding.take() {
+                        Some(hash) if plus && policy != Policy::Disable => {
+                            bound = true;
+                            ("SCRAM-SHA-256-PLUS", ChannelBinding::tls_server_end_point(hash))
+                        }
+                        // On TLS but not binding: say so, so a downgrade is detectable.
+                        Some(_) if policy != Policy::Disable => ("SCRAM-SHA-256", ChannelBinding::unrequested()),
+                        _ => ("SCRAM-SHA-256", ChannelBinding::unsupported()),
+                    };
+                    if policy == Policy::Require && !bound {
+                        return Err(WireError::Protocol(
+                            "channel_binding=require, but the connection has no TLS channel to bind (or the server does \
+                             not offer SCRAM-SHA-256-PLUS)"
+                                .into(),
+                        ));
+                    }
+                    let s = ScramSha256::new(need_password()?, channel);
+                    frontend::sasl_initial_response(mechanism, s.message(), &mut self.write).map_err(io)?;
                     scram = Some(s);
                 }
                 11 => {

@@ -1,0 +1,327 @@
+//! Connection strings read as libpq reads them: the `postgres://` URL and
+//! the `key=value` form, the TLS settings tokio-postgres does not know
+//! (`sslmode=verify-ca|verify-full`, `sslrootcert`, `sslcert`, `sslkey`),
+//! and the password from `PGPASSWORD` or a password file when the string has
+//! none.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use tokio_postgres::config::Host;
+
+use super::tls::{SslMode, TlsSettings};
+
+/// Where and how to connect to one PostgreSQL server.
+#[derive(Clone)]
+pub struct PgTarget {
+    pub config: tokio_postgres::Config,
+    pub tls: TlsSettings,
+}
+
+impl std::fmt::Debug for PgTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+/// The keys Sluice reads itself; everything else goes to tokio-postgres.
+const OWN_KEYS: &[&str] = &["sslmode", "sslrootcert", "sslcert", "sslkey", "passfile"];
+
+/// The libpq keys tokio-postgres reads (its own error does not name a key
+/// it does not know, so unknown keys are refused here, by name).
+const PASSED_KEYS: &[&str] = &[
+    "user",
+    "password",
+    "dbname",
+    "options",
+    "application_name",
+    "sslnegotiation",
+    "host",
+    "hostaddr",
+    "port",
+    "connect_timeout",
+    "tcp_user_timeout",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_retries",
+    "target_session_attrs",
+    "channel_binding",
+    "load_balance_hosts",
+];
+
+fn check_key(key: &str) -> Result<(), String> {
+    if OWN_KEYS.contains(&key) || PASSED_KEYS.contains(&key) {
+        Ok(())
+    } else {
+        Err(format!(
+            "connection option {key:?} is not supported (supported: {}, {})",
+            OWN_KEYS.join(", "),
+            PASSED_KEYS.join(", ")
+        ))
+    }
+}
+
+impl PgTarget {
+    /// Parses a URL (`postgres://` or `postgresql://`) or a keyword string
+    /// (`host=... dbname=...`). Anything else is an error, never a guess.
+    pub fn parse(text: &str) -> Result<PgTarget, String> {
+        let text = text.trim();
+        let (rest, own) = if text.starts_with("postgres://") || text.starts_with("postgresql://") {
+            split_url(text)?
+        } else if text.contains('=') {
+            split_keywords(text)?
+        } else {
+            return Err(
+                "not a PostgreSQL connection string: expected a postgres:// URL or key=value pairs (host=... dbname=...)"
+                    .into(),
+            );
+        };
+        let mut config = tokio_postgres::Config::from_str(&rest).map_err(|e| e.to_string())?;
+        let get = |key: &str, env: &str| {
+            own.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.clone()).or_else(|| std::env::var(env).ok())
+        };
+        let mode = get("sslmode", "PGSSLMODE").map(|m| SslMode::parse(&m)).transpose()?;
+        let tls = TlsSettings::new(
+            mode,
+            get("sslrootcert", "PGSSLROOTCERT"),
+            get("sslcert", "PGSSLCERT").map(PathBuf::from),
+            get("sslkey", "PGSSLKEY").map(PathBuf::from),
+        )?;
+        config.ssl_mode(tls.wire_mode());
+        if config.get_password().is_none() {
+            if let Ok(password) = std::env::var("PGPASSWORD") {
+                config.password(password);
+            } else if let Some(file) = get("passfile", "PGPASSFILE").map(PathBuf::from).or_else(default_passfile) {
+                if let Some(password) = passfile_lookup(&file, &config) {
+                    config.password(password);
+                }
+            }
+        }
+        Ok(PgTarget { config, tls })
+    }
+
+    /// The first host, as written (or the socket directory).
+    pub fn host(&self) -> String {
+        match self.config.get_hosts().first() {
+            Some(Host::Tcp(h)) => h.clone(),
+            #[cfg(unix)]
+            Some(Host::Unix(p)) => p.display().to_string(),
+            None => "localhost".into(),
+        }
+    }
+
+    /// `user@host:port/dbname (sslmode=...)`: the target without any secret,
+    /// for log lines and `/status`.
+    pub fn describe(&self) -> String {
+        let c = &self.config;
+        let host = self.host();
+        let port = c.get_ports().first().copied().unwrap_or(5432);
+        let user = c.get_user().unwrap_or("postgres");
+        let db = c.get_dbname().unwrap_or(user);
+        format!("{user}@{host}:{port}/{db} (sslmode={})", self.tls.mode)
+    }
+}
+
+/// Removes Sluice's own keys from a URL's query; returns the rest and them.
+fn split_url(text: &str) -> Result<(String, Vec<(String, String)>), String> {
+    let Some((base, query)) = text.split_once('?') else {
+        return Ok((text.to_string(), Vec::new()));
+    };
+    let mut kept = Vec::new();
+    let mut own = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = url::form_urlencoded::parse(pair.as_bytes()).next().unwrap_or_default();
+        check_key(&key)?;
+        if OWN_KEYS.contains(&key.as_ref()) {
+            own.push((key.into_owned(), value.into_owned()));
+        } else {
+            kept.push(pair);
+        }
+    }
+    let rest = if kept.is_empty() { base.to_string() } else { format!("{base}?{}", kept.join("&")) };
+    Ok((rest, own))
+}
+
+/// Splits `key=value` pairs (values may be 'quoted' with \\ escapes), keeps
+/// Sluice's own keys and writes the rest back for tokio-postgres.
+fn split_keywords(text: &str) -> Result<(String, Vec<(String, String)>), String> {
+    let mut chars = text.chars().peekable();
+    let mut kept = String::new();
+    let mut own = Vec::new();
+    loop {
+        while chars.peek().is_some_and(|c| c.is_whitespace()) {
+            chars.next();
+        }
+        if chars.peek().is_none() {
+            break;
+        }
+        let mut key = String::new();
+        while let Some(&c) = chars.peek() {
+            if c == '=' || c.is_whitespace() {
+                break;
+            }
+            key.push(c);
+            chars.next();
+        }
+        while chars.peek().is_some_and(|c| c.is_whitespace()) {
+            chars.next();
+        }
+        if chars.next() != Some('=') {
+            return Err(format!("invalid connection string: {key:?} has no value (expected {key}=VALUE)"));
+        }
+        while chars.peek().is_some_and(|c| c.is_whitespace()) {
+            chars.next();
+        }
+        let mut value = String::new();
+        if chars.peek() == Some(&'\'') {
+            chars.next();
+            loop {
+                match chars.next() {
+                    Some('\\') => value.extend(chars.next()),
+                    Some('\'') => break,
+                    Some(c) => value.push(c),
+                    None => return Err(format!("invalid connection string: the value of {key} has no closing quote")),
+                }
+            }
+        } else {
+            while let Some(&c) = chars.peek() {
+                if c.is_whitespace() {
+                    break;
+                }
+                chars.next();
+                if c == '\\' {
+                    value.extend(chars.next());
+                } else {
+                    value.push(c);
+                }
+            }
+        }
+        check_key(&key)?;
+        if OWN_KEYS.contains(&key.as_str()) {
+            own.push((key, value));
+        } else {
+            let quoted = value.replace('\\', "\\\\").replace('\'', "\\'");
+            kept.push_str(&format!("{key}='{quoted}' "));
+        }
+    }
+    Ok((kept, own))
+}
+
+fn default_passfile() -> Option<PathBuf> {
+    std::env::var_os("HOME").map(|home| Path::new(&home).join(".pgpass"))
+}
+
+/// The password a libpq password file gives for this target: the first line
+/// `host:port:database:user:password` whose fields match (`*` matches
+/// anything; `\:` and `\\` are escapes). As libpq does, a file others can
+/// read is ignored with a warning.
+fn passfile_lookup(file: &Path, config: &tokio_postgres::Config) -> Option<String> {
+    let meta = std::fs::metadata(file).ok()?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if meta.permissions().mode() & 0o077 != 0 {
+            tracing::warn!("password file {} has group or world access and is ignored; chmod 0600 it", file.display());
+            return None;
+        }
+    }
+    let _ = meta;
+    let text = std::fs::read_to_string(file).ok()?;
+    let host = match config.get_hosts().first() {
+        Some(Host::Tcp(h)) => h.clone(),
+        _ => "localhost".to_string(),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432).to_string();
+    let user = config.get_user().unwrap_or("postgres").to_string();
+    let db = config.get_dbname().unwrap_or(&user).to_string();
+    let wanted = [host.as_str(), port.as_str(), db.as_str(), user.as_str()];
+    text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).find_map(|line| {
+        let fields = passfile_fields(line);
+        if fields.len() < 5 {
+            return None;
+        }
+        let matches = wanted.iter().zip(&fields).all(|(want, field)| field == "*" || field == want);
+        matches.then(|| fields[4..].join(":"))
+    })
+}
+
+fn passfile_fields(line: &str) -> Vec<String> {
+    let mut fields = vec![String::new()];
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => fields.last_mut().expect("one field").extend(chars.next()),
+            ':' if fields.len() < 5 => fields.push(String::new()),
+            c => fields.last_mut().expect("one field").push(c),
+        }
+    }
+    fields
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_and_keywords_read_alike() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["ca.test".to_string()]).unwrap().self_signed(&key).unwrap();
+        std::fs::write(&ca, cert.pem()).unwrap();
+        let url = PgTarget::parse(&format!(
+            "postgres://u:secret@db.example:6543/app?sslmode=verify-full&sslrootcert={}&application_name=x",
+            ca.display()
+        ))
+        .unwrap();
+        let kw = PgTarget::parse(&format!(
+            "host=db.example port=6543 dbname=app user=u password='sec\\'ret' sslmode=verify-full sslrootcert={}",
+            ca.display()
+        ))
+        .unwrap();
+        for t in [&url, &kw] {
+            assert_eq!(t.describe(), "u@db.example:6543/app (sslmode=verify-full)");
+            assert_eq!(t.tls.mode, SslMode::VerifyFull);
+            assert_eq!(t.config.get_ssl_mode(), tokio_postgres::config::SslMode::Require);
+        }
+        assert_eq!(url.config.get_application_name(), Some("x"));
+        assert_eq!(kw.config.get_password(), Some(&b"sec'ret"[..]));
+        assert!(!url.describe().contains("secret"));
+    }
+
+    #[test]
+    fn no_silent_fallback() {
+        let e = PgTarget::parse("changelog.db").unwrap_err();
+        assert!(e.contains("not a PostgreSQL connection string"), "{e}");
+        let e = PgTarget::parse("postgres://h/db?sslmode=sometimes").unwrap_err();
+        assert!(e.contains("sslmode"), "{e}");
+        let e = PgTarget::parse("host=h dbname").unwrap_err();
+        assert!(e.contains("dbname"), "{e}");
+        let e = PgTarget::parse("host=h bogus=1").unwrap_err();
+        assert!(e.contains("bogus"), "{e}");
+    }
+
+    #[test]
+    fn the_password_file_is_read_as_libpq_reads_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("pgpass");
+        std::fs::write(&file, "# comment\nother:5432:*:u:nope\ndb.example:*:app:u:pa\\:ss:word\n").unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        }
+        let url = format!("postgres://u@db.example:6543/app?passfile={}", file.display());
+        let t = PgTarget::parse(&url).unwrap();
+        assert_eq!(t.config.get_password(), Some(&b"pa:ss:word"[..]));
+        let t = PgTarget::parse(&format!("postgres://u@db.example/other?passfile={}", file.display())).unwrap();
+        assert_eq!(t.config.get_password(), None);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+            assert_eq!(PgTarget::parse(&url).unwrap().config.get_password(), None);
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! The subscriber endpoint as an operator locks it down, through the real
+//! `sluice` process and real sockets: the token (refused without it or with a
+//! wrong one, accepted as Bearer, as the password of a `ws://user:TOKEN@`
+//! URL and as `?token=`), the cap on connections (refused beyond it while the
+//! others keep streaming), filters the operator did not allow, and settings
+//! taken from a TOML file and `SLUICE_*` variables under the command line.
+
+#[macro_use]
+mod common;
+
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use common::process::{free_addr, http_get, sluice};
+use common::ws::Client;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Error as WsError;
+
+const TOKEN: &str = "endpoint-token-4711";
+const WAIT: Duration = Duration::from_secs(60);
+
+struct Host {
+    child: Child,
+    addr: String,
+    log: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Host {
+    /// The mock source at 200 tx/s, settings from a file, the token from
+    /// the environment, the listen address on the command line (the file
+    /// names another, which must lose).
+    fn start() -> Host {
+        let dir = tempfile::tempdir().unwrap();
+        let addr = free_addr();
+        let config = dir.path().join("sluice.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "listen = \"127.0.0.1:1\"\nmax-connections = 3\nallow-filter = [\"redact\"]\nsource_config = '{}'\n",
+                serde_json::json!({"rate": 200, "rows_per_tx": 2})
+            ),
+        )
+        .unwrap();
+        let log = dir.path().join("sluice.log");
+        let child = sluice()
+            .args(["run", "--source", "mock-source", "--listen", &addr, "--config"])
+            .arg(&config)
+            .arg("--plugins")
+            .arg(common::plugin_dir())
+            .arg("--change-db")
+            .arg(format!("sqlite:{}", dir.path().join("log.db").display()))
+            .env("SLUICE_TOKEN", TOKEN)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let host = Host { child, addr, log, _dir: dir };
+        let deadline = Instant::now() + WAIT;
+        while http_get(&host.addr, "/").as_deref() != Some("OK") {
+            assert!(Instant::now() < deadline, "sluice does not answer:\n{}", host.log_text());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        host
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// A subscription from the start, with `header` as Authorization.
+    async fn subscribe(&self, query: &str, header: Option<String>) -> Result<Client, WsError> {
+        let url =
+            format!("ws://{}/replication/v6/changes?id=s&taskID=t&replicaVersion=00&watermark=00{query}", self.addr);
+        let mut request = url.into_client_request().unwrap();
+        if let Some(value) = header {
+            request.headers_mut().insert("authorization", value.parse().unwrap());
+        }
+        tokio_tungstenite::connect_async(request).await.map(|(ws, _)| Client { ws })
+    }
+}
+
+fn bearer() -> Option<String> {
+    Some(format!("Bearer {TOKEN}"))
+}
+
+fn status_of(result: Result<Client, WsError>) -> u16 {
+    match result {
+        Err(WsError::Http(response)) => response.status().as_u16(),
+        Err(e) => panic!("not an HTTP refusal: {e}"),
+        Ok(_) => 101,
+    }
+}
+
+/// `GET path` with an optional Authorization header: the status code.
+fn get_status(addr: &str, path: &str, header: Option<&str>) -> u16 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let auth = header.map(|h| format!("Authorization: {h}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{auth}\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_is_required_and_accepted_as_clients_send_it() {
+    let host = Host::start();
+    assert_eq!(status_of(host.subscribe("", None).await), 401);
+    assert_eq!(status_of(host.subscribe("", Some("Bearer not-it".into())).await), 401);
+    assert_eq!(status_of(host.subscribe("&token=not-it", None).await), 401);
+    assert_eq!(get_status(&host.addr, "/status", None), 401);
+    // The health check stays open.
+    assert_eq!(get_status(&host.addr, "/keepalive", None), 200);
+    assert_eq!(get_status(&host.addr, "/status", Some(&format!("Bearer {TOKEN}"))), 200);
+
+    // Bearer, Basic (what `ws` sends for ws://sluice:TOKEN@host/) and the query.
+    let basic = base64::engine::general_purpose::STANDARD.encode(format!("sluice:{TOKEN}"));
+    for (query, header) in
+        [("", bearer()), ("", Some(format!("Basic {basic}"))), (&format!("&token={TOKEN}")[..], None)]
+    {
+        let mut client = host.subscribe(query, header.clone()).await.expect("served with the token");
+        // The status message, then a transaction.
+        let first = client.take(3).await;
+        assert!(first.iter().any(|m| m.starts_with("begin")), "{first:?}");
+    }
+    let refusals = host.log_text().lines().filter(|l| l.contains("refused a request")).count();
+    assert_eq!(refusals, 4, "one line per refused request:\n{}", host.log_text());
+    assert!(!host.log_text().contains(TOKEN), "the token is in the log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_cap_are_refused_while_the_others_stream() {
+    let host = Host::start();
+    let mut open = Vec::new();
+    for _ in 0..3 {
+        let mut c = host.subscribe("", bearer()).await.unwrap();
+        c.next().await.expect("streaming");
+        open.push(c);
+    }
+    assert_eq!(status_of(host.subscribe("", bearer()).await), 503);
+    assert!(host.log_text().contains("too many connections: 3 open, the limit is 3"), "{}", host.log_text());
+    // The three keep streaming: each reads a further 50 messages.
+    for c in &mut open {
+        c.take(50).await;
+    }
+    // A place freed is a place taken.
+    drop(open.pop());
+    let deadline = Instant::now() + WAIT;
+    let mut again = loop {
+        match host.subscribe("", bearer()).await {
+            Ok(c) => break c,
+            Err(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(e) => panic!("no place after one closed: {e}"),
+        }
+    };
+    again.next().await.expect("streaming");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_allowed_filters_are_served() {
+    let host = Host::start();
+    let filters = |plugin: &str| {
+        let spec = serde_json::json!([{"plugin": plugin, "config": {"drop": ["secret"]}}]).to_string();
+        format!("&filters={}", url_encode(&spec))
+    };
+    let refused = host.subscribe(&filters("bad-filter"), bearer()).await.unwrap();
+    let (code, reason) = refused.close_reason().await;
+    assert_eq!(code, 1002);
+    assert!(reason.contains("\"bad-filter\" is not allowed"), "{reason}");
+    let mut served = host.subscribe(&filters("redact"), bearer()).await.unwrap();
+    let first = served.take(3).await;
+    assert!(first.iter().any(|m| m.starts_with("begin")), "{first:?}");
+}
+
+fn url_encode(s: &str) -> String {
+    url::form_urlencoded::byte_serialize(s.as_bytes()).collect()
+}
