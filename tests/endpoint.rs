@@ -12,7 +12,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use common::process::{free_addr, http_get, sluice};
+use common::process::{free_addr, sluice};
 use common::ws::Client;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Error as WsError;
@@ -39,7 +39,10 @@ impl Host {
     /// the environment, the listen address on the command line (the file
     /// names another, which must lose).
     fn start() -> Host {
-        let dir = tempfile::tempdir().unwrap();
+        Host::start_with(tempfile::tempdir().unwrap(), &[])
+    }
+
+    fn start_with(dir: tempfile::TempDir, extra: &[String]) -> Host {
         let addr = free_addr();
         let config = dir.path().join("sluice.toml");
         std::fs::write(
@@ -58,6 +61,7 @@ impl Host {
             .arg(common::plugin_dir())
             .arg("--change-db")
             .arg(format!("sqlite:{}", dir.path().join("log.db").display()))
+            .args(extra)
             .env("SLUICE_TOKEN", TOKEN)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -65,7 +69,7 @@ impl Host {
             .unwrap();
         let host = Host { child, addr, log, _dir: dir };
         let deadline = Instant::now() + WAIT;
-        while http_get(&host.addr, "/").as_deref() != Some("OK") {
+        while !host.log_text().contains("sluice listening on") {
             assert!(Instant::now() < deadline, "sluice does not answer:\n{}", host.log_text());
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -183,4 +187,71 @@ async fn only_allowed_filters_are_served() {
 
 fn url_encode(s: &str) -> String {
     url::form_urlencoded::byte_serialize(s.as_bytes()).collect()
+}
+
+/// A subscription over TLS that trusts only `ca`: the first messages' text,
+/// and the server's certificate.
+async fn tls_subscribe(addr: &str, ca: &std::path::Path) -> Result<(Vec<String>, Vec<u8>), String> {
+    use futures::StreamExt;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(rustls::pki_types::CertificateDer::from_pem_file(ca).unwrap()).unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(sluice::pgconn::tls::crypto_provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    let cert = tls.get_ref().1.peer_certificates().unwrap()[0].to_vec();
+    let url = format!("wss://{addr}/replication/v6/changes?id=s&taskID=t&replicaVersion=00&watermark=00&token={TOKEN}");
+    let (mut ws, _) = tokio_tungstenite::client_async(url, tls).await.map_err(|e| e.to_string())?;
+    let mut texts = Vec::new();
+    while texts.len() < 3 {
+        match tokio::time::timeout(WAIT, ws.next()).await.expect("a message in time") {
+            Some(Ok(m)) if m.is_text() => texts.push(m.into_text().unwrap().to_string()),
+            Some(Ok(_)) => {}
+            other => return Err(format!("stream ended: {other:?}")),
+        }
+    }
+    Ok((texts, cert))
+}
+
+/// `--tls-cert` / `--tls-key`: subscribers are served over TLS (and a plain
+/// one is not); after the files are replaced and SIGHUP is sent, new
+/// connections get the new certificate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_endpoint_serves_and_reloads_its_certificate() {
+    let first = common::pki::Pki::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("endpoint.crt"), dir.path().join("endpoint.key"));
+    std::fs::copy(first.path("server.crt"), &cert).unwrap();
+    std::fs::copy(first.path("server.key"), &key).unwrap();
+    let extra =
+        vec!["--tls-cert".to_string(), cert.display().to_string(), "--tls-key".to_string(), key.display().to_string()];
+    let host = Host::start_with(dir, &extra);
+    assert!(host.log_text().contains("listening on wss://"), "{}", host.log_text());
+
+    let (texts, served) = tls_subscribe(&host.addr, &first.path("ca.crt")).await.expect("served over TLS");
+    assert!(texts.iter().any(|t| t.contains("\"begin\"")), "{texts:?}");
+    assert!(host.subscribe("", bearer()).await.is_err(), "a plain WebSocket was served");
+
+    let second = common::pki::Pki::new();
+    std::fs::copy(second.path("server.crt"), &cert).unwrap();
+    std::fs::copy(second.path("server.key"), &key).unwrap();
+    let pid = host.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status().unwrap().success());
+    let deadline = Instant::now() + WAIT;
+    while !host.log_text().contains("reloaded the endpoint's TLS certificate") {
+        assert!(Instant::now() < deadline, "no reload:\n{}", host.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (_, now_served) = tls_subscribe(&host.addr, &second.path("ca.crt")).await.expect("the new certificate");
+    assert_ne!(now_served, served);
+    let refused = tls_subscribe(&host.addr, &first.path("ca.crt")).await.unwrap_err();
+    assert!(refused.contains("invalid peer certificate"), "{refused}");
 }

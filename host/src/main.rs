@@ -157,6 +157,13 @@ struct RunArgs {
     /// Backlog a catching-up subscriber may accumulate, in MiB.
     #[arg(long, default_value_t = 16, env = "SLUICE_BACKLOG_MB")]
     backlog_mb: usize,
+    /// Serve subscribers over TLS with this certificate chain (PEM); read
+    /// again on SIGHUP.
+    #[arg(long, env = "SLUICE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, env = "SLUICE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// A TOML file of settings, named as the flags are (`listen = "..."`,
     /// `allow-filter = ["redact"]`). Flags and `SLUICE_*` variables win over it.
     #[arg(long, env = "SLUICE_CONFIG")]
@@ -353,6 +360,13 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         max_connections: args.max_connections,
         max_per_address: args.max_connections_per_address,
     });
+    let endpoint_tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(sluice::server::tls::EndpointTls::load(cert, key)?),
+        _ => None,
+    };
+    if let Some(tls) = &endpoint_tls {
+        tokio::spawn(reload_on_hangup(tls.clone()));
+    }
     if let Some(advertise) = &args.advertise {
         if let Ok(addr) = advertise.parse::<std::net::SocketAddr>() {
             anyhow::ensure!(
@@ -421,12 +435,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         consumer_retention: Duration::from_secs(args.consumer_retention_secs),
         log_progress: true,
         access,
+        endpoint_tls: endpoint_tls.clone(),
         ..ServiceConfig::new(source, log, reader)
     };
     let mut service = Service::start(config).await?;
     let addr = service.addr();
+    let (ws, http) = if endpoint_tls.is_some() { ("wss", "https") } else { ("ws", "http") };
     tracing::info!(
-        "sluice listening on ws://{addr}/replication/v6/changes (status: http://{addr}/status); change log {}",
+        "sluice listening on {ws}://{addr}/replication/v6/changes (status: {http}://{addr}/status); change log {}",
         where_
     );
     tokio::select! {
@@ -436,6 +452,26 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             service.stop().await
         }
     }
+}
+
+/// SIGHUP: read the endpoint's certificate and key again.
+async fn reload_on_hangup(tls: Arc<sluice::server::tls::EndpointTls>) {
+    #[cfg(unix)]
+    {
+        let Ok(mut hangup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+            return;
+        };
+        while hangup.recv().await.is_some() {
+            match tls.reload() {
+                Ok(()) => tracing::info!("SIGHUP: reloaded the endpoint's TLS certificate"),
+                Err(e) => tracing::error!(
+                    "SIGHUP: the endpoint's TLS certificate was not reloaded ({e:#}); the old one stays"
+                ),
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tls;
 }
 
 async fn wait_for_signal() {

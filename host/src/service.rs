@@ -58,6 +58,8 @@ pub struct ServiceConfig {
     pub log_progress: bool,
     /// The endpoint's token and connection caps.
     pub access: Arc<crate::server::access::Access>,
+    /// TLS on the endpoint (`None`: plain).
+    pub endpoint_tls: Option<Arc<crate::server::tls::EndpointTls>>,
 }
 
 impl ServiceConfig {
@@ -77,6 +79,7 @@ impl ServiceConfig {
             filters: FilterHost::none(),
             zero_permissions: None,
             access: crate::server::access::Access::open(),
+            endpoint_tls: None,
             consumer_retention: crate::reservations::DEFAULT_RETENTION,
             log_progress: false,
         }
@@ -130,15 +133,25 @@ impl Service {
             zero_permissions: config.zero_permissions.map(Arc::new),
             access: config.access,
         };
-        let (addr, serve) = crate::server::bind(&config.listen, crate::server::router(app), stop_rx.clone()).await?;
+        // zero-cache dials a discovered address as ws:// unless it names a scheme.
+        let scheme = if config.endpoint_tls.is_some() { "wss://" } else { "" };
+        let (addr, serve) = crate::server::bind_with_tls(
+            &config.listen,
+            crate::server::router(app),
+            stop_rx.clone(),
+            config.endpoint_tls,
+        )
+        .await?;
         if let Some(cleanup) = config.cleanup {
             tokio::spawn(crate::cleanup::run(hub.clone(), status.clone(), cleanup, stop_rx.clone()));
         }
         if config.log_progress {
             tokio::spawn(log_progress(status.clone(), stop_rx.clone()));
         }
-        let options =
-            StreamerOptions { advertise: config.advertise.unwrap_or_else(|| advertised(addr)), ..config.streamer };
+        let options = StreamerOptions {
+            advertise: config.advertise.unwrap_or_else(|| format!("{scheme}{}", advertised(addr))),
+            ..config.streamer
+        };
         let mut streamer = Streamer::new(config.source, config.log, hub.clone(), options.clone(), status.clone());
         streamer.seed_hub();
         let server = tokio::spawn(serve);

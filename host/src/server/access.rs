@@ -152,7 +152,7 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 /// Middleware: 401 with one log line for a request without the token.
 pub async fn require_token(
     State(app): State<AppState>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    ConnectInfo(super::Peer(peer)): ConnectInfo<super::Peer>,
     request: Request,
     next: Next,
 ) -> Response {

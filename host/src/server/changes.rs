@@ -7,7 +7,6 @@
 //! answers neither pong nor message between two pings is dropped.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -90,7 +89,7 @@ pub async fn changes(
     ws: WebSocketUpgrade,
     Path(segment): Path<String>,
     Query(query): Query<HashMap<String, String>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    ConnectInfo(super::Peer(peer)): ConnectInfo<super::Peer>,
     State(app): State<AppState>,
 ) -> Response {
     let permit = match app.access.admit(peer) {
@@ -111,7 +110,7 @@ pub async fn snapshot(
     ws: WebSocketUpgrade,
     Path(segment): Path<String>,
     Query(query): Query<HashMap<String, String>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    ConnectInfo(super::Peer(peer)): ConnectInfo<super::Peer>,
     State(app): State<AppState>,
 ) -> Response {
     let permit = match app.access.admit(peer) {

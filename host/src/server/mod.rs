@@ -5,6 +5,7 @@
 pub mod access;
 pub mod changes;
 pub mod outbox;
+pub mod tls;
 pub mod upstream;
 pub mod zero_tables;
 
@@ -69,25 +70,75 @@ async fn status_json(State(state): State<AppState>) -> Json<serde_json::Value> {
     Json(status)
 }
 
-/// Binds `addr` (so a taken port fails start-up with a clear error) and
-/// returns the bound address and the serving future.
-pub async fn bind(
-    addr: &str,
-    router: Router,
-    mut shutdown: watch::Receiver<bool>,
-) -> anyhow::Result<(SocketAddr, impl std::future::Future<Output = std::io::Result<()>>)> {
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-    let local = listener.local_addr()?;
-    // Small frames and acks go back and forth: without TCP_NODELAY each
-    // flow-control round trip waits for a delayed ACK (~40 ms).
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+/// The client's address, for the connection caps and log lines (axum's
+/// own `SocketAddr` connect info covers only its TCP listener, not TLS).
+#[derive(Clone, Copy, Debug)]
+pub struct Peer(pub SocketAddr);
+
+impl<'a> axum::extract::connect_info::Connected<axum::serve::IncomingStream<'a, NoDelay>> for Peer {
+    fn connect_info(stream: axum::serve::IncomingStream<'a, NoDelay>) -> Self {
+        Peer(*stream.remote_addr())
+    }
+}
+
+impl<'a> axum::extract::connect_info::Connected<axum::serve::IncomingStream<'a, tls::TlsListener>> for Peer {
+    fn connect_info(stream: axum::serve::IncomingStream<'a, tls::TlsListener>) -> Self {
+        Peer(*stream.remote_addr())
+    }
+}
+
+/// A plain TCP listener whose connections have TCP_NODELAY: small frames
+/// and acks go back and forth, and without it each flow-control round trip
+/// waits for a delayed ACK (~40 ms).
+pub struct NoDelay(tokio::net::TcpListener);
+
+impl axum::serve::Listener for NoDelay {
+    type Io = tokio::net::TcpStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        let (tcp, peer) = axum::serve::Listener::accept(&mut self.0).await;
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!("cannot set TCP_NODELAY: {e}");
         }
-    });
-    let service = router.into_make_service_with_connect_info::<SocketAddr>();
-    let serve = axum::serve(listener, service).with_graceful_shutdown(async move {
+        (tcp, peer)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.0.local_addr()
+    }
+}
+
+/// The server's future (boxed: plain and TLS listeners differ in type).
+pub type Serving = std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<()>> + Send>>;
+
+/// Binds `addr` (so a taken port fails start-up with a clear error) and
+/// returns the bound address and the serving future; with `tls`, every
+/// connection is TLS.
+pub async fn bind(
+    addr: &str,
+    router: Router,
+    shutdown: watch::Receiver<bool>,
+) -> anyhow::Result<(SocketAddr, Serving)> {
+    bind_with_tls(addr, router, shutdown, None).await
+}
+
+pub async fn bind_with_tls(
+    addr: &str,
+    router: Router,
+    mut shutdown: watch::Receiver<bool>,
+    tls: Option<Arc<tls::EndpointTls>>,
+) -> anyhow::Result<(SocketAddr, Serving)> {
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    let local = listener.local_addr()?;
+    let service = router.into_make_service_with_connect_info::<Peer>();
+    let stopped = async move {
         let _ = shutdown.wait_for(|stop| *stop).await;
-    });
-    Ok((local, async move { serve.await }))
+    };
+    if let Some(tls) = tls {
+        let serve = axum::serve(tls.listen(listener)?, service).with_graceful_shutdown(stopped);
+        return Ok((local, Box::pin(async move { serve.await })));
+    }
+    let serve = axum::serve(NoDelay(listener), service).with_graceful_shutdown(stopped);
+    Ok((local, Box::pin(async move { serve.await })))
 }

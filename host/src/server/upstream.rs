@@ -69,7 +69,7 @@ pub fn parse_request(query: &str) -> Result<StreamRequest, String> {
 pub async fn stream(
     ws: WebSocketUpgrade,
     RawQuery(query): RawQuery,
-    ConnectInfo(peer): ConnectInfo<std::net::SocketAddr>,
+    ConnectInfo(super::Peer(peer)): ConnectInfo<super::Peer>,
     State(app): State<AppState>,
 ) -> Response {
     let permit = match app.access.admit(peer) {
