@@ -4,6 +4,7 @@
 #[macro_use]
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::feed::*;
@@ -372,6 +373,42 @@ async fn the_catch_up_cursor_continues_and_jumps() {
     assert!(next.len() == 10 && next[0].1 > first[9].1 && next.iter().all(|(w, _)| w == "03"), "{next:?}");
     // Past 03: only 06's begin, row and commit.
     assert_eq!(jumped.iter().map(|(w, _)| w.as_str()).collect::<Vec<_>>(), ["06", "06", "06"]);
+    h.stop().await.unwrap();
+}
+
+/// Catch-ups beyond the cap wait for a connection instead of opening one
+/// each: with a cap of 2, a third snapshot waits until one is dropped, then
+/// reads the same rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn catch_up_connections_are_capped() {
+    let (_dir, spec, feed, h) = fed_harness().await;
+    feed.tx("03", &[1, 2, 3]);
+    stored(&h, "03").await;
+    let settings = spec.pg.clone().unwrap();
+    let reader = Arc::new(
+        sluice::storage::postgres::PostgresReader::new(settings, tokio::runtime::Handle::current())
+            .with_max_snapshots(2),
+    );
+    let open = |r: Arc<sluice::storage::postgres::PostgresReader>| {
+        std::thread::spawn(move || {
+            let mut s = sluice::storage::LogReader::snapshot(&*r).unwrap();
+            let rows = s.read("03", None, 100).unwrap().len();
+            (s, rows)
+        })
+    };
+    let (first, rows) = open(reader.clone()).join().unwrap();
+    let (_second, _) = open(reader.clone()).join().unwrap();
+    let third = open(reader.clone());
+    let r = reader.clone();
+    wait_until("the third catch-up to wait", WAIT, || {
+        let waiting = r.snapshots_waiting();
+        async move { waiting == 1 }
+    })
+    .await;
+    assert!(!third.is_finished(), "a third connection was opened past the cap");
+    drop(first);
+    let (_third, third_rows) = tokio::task::spawn_blocking(move || third.join().unwrap()).await.unwrap();
+    assert_eq!((rows, third_rows), (5, 5), "begin, three rows, commit");
     h.stop().await.unwrap();
 }
 

@@ -154,6 +154,10 @@ struct RunArgs {
     /// Postgres change DB statement timeout, in milliseconds.
     #[arg(long, default_value_t = 20000, env = "SLUICE_STATEMENT_TIMEOUT_MS")]
     statement_timeout_ms: u64,
+    /// Catch-ups reading the Postgres change DB at once (each holds a
+    /// connection); more wait for a place.
+    #[arg(long, default_value_t = sluice::storage::postgres::DEFAULT_MAX_SNAPSHOTS, env = "SLUICE_CHANGE_DB_READERS")]
+    change_db_readers: usize,
     /// Backlog a catching-up subscriber may accumulate, in MiB.
     #[arg(long, default_value_t = 16, env = "SLUICE_BACKLOG_MB")]
     backlog_mb: usize,
@@ -405,7 +409,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 })?;
                 let schema = settings.schema();
                 let place = format!("Postgres schema {schema} at {}", target.describe());
-                (Box::new(log), Arc::new(PostgresReader::new(settings, rt)), place)
+                let reader = PostgresReader::new(settings, rt).with_max_snapshots(args.change_db_readers);
+                (Box::new(log), Arc::new(reader), place)
             }
         };
 

@@ -13,6 +13,7 @@
 //! drives tokio-postgres on the runtime through `Handle::block_on`.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -665,15 +666,41 @@ pub struct PostgresReader {
     settings: PgSettings,
     schema: String,
     rt: Handle,
+    /// Caps the catch-up snapshots open at once (each holds a connection
+    /// and a transaction on the change DB).
+    snapshots: Arc<tokio::sync::Semaphore>,
+    waiting: Arc<std::sync::atomic::AtomicUsize>,
 }
+
+/// Catch-up snapshots open at once on the Postgres change DB, unless set.
+pub const DEFAULT_MAX_SNAPSHOTS: usize = 16;
 
 impl PostgresReader {
     pub fn new(settings: PgSettings, rt: Handle) -> Self {
-        PostgresReader { schema: settings.schema(), settings, rt }
+        PostgresReader {
+            schema: settings.schema(),
+            settings,
+            rt,
+            snapshots: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_SNAPSHOTS)),
+            waiting: Default::default(),
+        }
+    }
+
+    /// At most `n` catch-up snapshots (connections) at once; more wait.
+    pub fn with_max_snapshots(mut self, n: usize) -> Self {
+        self.snapshots = Arc::new(tokio::sync::Semaphore::new(n.max(1)));
+        self
+    }
+
+    /// Catch-ups waiting for a connection now.
+    pub fn snapshots_waiting(&self) -> usize {
+        self.waiting.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
 struct PgSnapshot {
+    /// This snapshot's place under the cap, freed when it is dropped.
+    _permit: tokio::sync::OwnedSemaphorePermit,
     client: Client,
     rt: Handle,
     schema: String,
@@ -798,7 +825,17 @@ impl LogReader for PostgresReader {
     fn snapshot(&self) -> anyhow::Result<Box<dyn LogSnapshot>> {
         let s = self.schema.clone();
         let settings = self.settings.clone();
-        let (client, last_watermark) = self.rt.block_on(async {
+        let (snapshots, waiting) = (self.snapshots.clone(), self.waiting.clone());
+        let (permit, client, last_watermark) = self.rt.block_on(async {
+            let permit = match snapshots.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => {
+                    waiting.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let p = snapshots.acquire_owned().await;
+                    waiting.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                    p.map_err(|_| anyhow::anyhow!("the change DB reader is closed"))?
+                }
+            };
             let c = settings.connect().await?;
             c.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await?;
             // The first query pins the snapshot.
@@ -806,9 +843,10 @@ impl LogReader for PostgresReader {
                 .query_one(&format!(r#"SELECT "lastWatermark" FROM {s}."replicationState""#), &[])
                 .await
                 .map_err(|e| classify(e, "pinning the catch-up snapshot"))?;
-            anyhow::Ok((c, row.get::<_, String>(0)))
+            anyhow::Ok((permit, c, row.get::<_, String>(0)))
         })?;
         Ok(Box::new(PgSnapshot {
+            _permit: permit,
             client,
             rt: self.rt.clone(),
             schema: self.schema.clone(),
