@@ -68,7 +68,7 @@ chaos: test-plugins
 
 bench: plugins interop-deps
 	$(CARGO) build --release -p sluice -p sluice-bench
-	tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh ./target/release/sluice-bench
+	SLUICE_TEST_PG_SSL=1 tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh ./target/release/sluice-bench
 
 fmt:
 	$(CARGO) fmt --all

@@ -30,7 +30,7 @@ async fn main() -> anyhow::Result<()> {
     let tmp = std::env::temp_dir().join(format!("sluice-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
     let registry = Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?;
-    // `sluice-bench [boundary|store|custom|postgres|pgsource|zero|mariadb|fanout|filters|filter-cost|catchup ...]`: all by default.
+    // `sluice-bench [boundary|store|custom|postgres|pgsource|tls|zero|mariadb|fanout|filters|filter-cost|catchup ...]`: all by default.
     let only: Vec<String> = std::env::args().skip(1).collect();
     let run = |section: &str| only.is_empty() || only.iter().any(|o| o == section);
     println!("# Sluice benchmarks ({} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
@@ -85,6 +85,9 @@ async fn main() -> anyhow::Result<()> {
         println!("\n## zero-cache 1.9.0 on Sluice vs on its own Postgres source (same table, same machine)");
         // SLUICE_BENCH_ZERO_ROWS (1,000,000) and SLUICE_BENCH_ZERO_SECS (10) size it.
         zero_cache::run(url, &tmp).await?;
+    }
+    if let (true, Some(url)) = (run("tls"), &pg_url) {
+        tls_cost(&registry, &tmp, url).await?;
     }
     if run("mariadb") {
         match (std::env::var("SLUICE_TEST_MARIADB"), std::env::var("SLUICE_TEST_MARIADB_SOCKET")) {
@@ -141,6 +144,31 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let _ = std::fs::remove_dir_all(&tmp);
+    Ok(())
+}
+
+/// The cost of TLS to PostgreSQL: the same runs with `sslmode=disable` and
+/// `sslmode=require` against one server that offers both (`make bench`
+/// starts it with SLUICE_TEST_PG_SSL=1).
+async fn tls_cost(registry: &Registry, tmp: &Path, url: &str) -> anyhow::Result<()> {
+    let probe = sluice::pgconn::PgTarget::parse(&format!("{url}?sslmode=require")).map_err(anyhow::Error::msg)?;
+    if sluice::pgconn::connect(&probe, &probe.config).await.is_err() {
+        println!("\n(the Postgres server offers no TLS: TLS figures skipped; `make bench` starts one that does)");
+        return Ok(());
+    }
+    for mode in ["disable", "require"] {
+        let url = format!("{url}?sslmode={mode}");
+        println!("\n## TLS cost, sslmode={mode}: mock source -> Postgres change DB, durable changes/s");
+        store_pg(registry, tmp, &url, 10, 100, false).await?;
+        println!("\n## TLS cost, sslmode={mode}: catch-up from the Postgres change DB");
+        use sluice::storage::postgres::{PostgresChangeLog, PostgresReader};
+        let settings = pg_settings(&url, &format!("benchtls{}", mode.replace('-', "")));
+        let rt = tokio::runtime::Handle::current();
+        let log = tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?;
+        catchup(registry, "Postgres", Box::new(log), Arc::new(PostgresReader::new(settings, rt))).await?;
+        println!("\n## TLS cost, sslmode={mode}: Postgres source (pgoutput) -> SQLite change log -> 1 subscriber");
+        pg_source::run_with(url.split('?').next().unwrap_or(url.as_str()), tmp, Some(mode)).await?;
+    }
     Ok(())
 }
 
@@ -543,7 +571,9 @@ async fn store_pg(
         .source("mock-source", config, SandboxLimits::default(), NetGrant::default())
         .await
         .map_err(anyhow::Error::msg)?;
-    let settings = pg_settings(url, &format!("bench{rows}x{row_bytes}{}", if table_state { "s" } else { "" }));
+    // One schema per shape, table state and TLS, so no run finds another's log.
+    let tls = if url.contains("sslmode=require") { "tls" } else { "" };
+    let settings = pg_settings(url, &format!("bench{rows}x{row_bytes}{}{tls}", if table_state { "s" } else { "" }));
     let rt = tokio::runtime::Handle::current();
     let log = Box::new(tokio::task::block_in_place(|| {
         PostgresChangeLog::open(settings.clone(), rt.clone())?.with_table_state(table_state)

@@ -74,6 +74,12 @@ struct Workload {
 }
 
 pub async fn run(url: &str, tmp: &std::path::Path) -> anyhow::Result<()> {
+    run_with(url, tmp, None).await
+}
+
+/// With `sslmode`, the source connects with it (the cost of TLS): the
+/// snapshot and two of the workloads only.
+pub async fn run_with(url: &str, tmp: &std::path::Path, sslmode: Option<&str>) -> anyhow::Result<()> {
     let admin = connect(url).await?;
     admin
         .batch_execute(&format!(
@@ -95,13 +101,21 @@ pub async fn run(url: &str, tmp: &std::path::Path) -> anyhow::Result<()> {
 
     let addr = free_addr();
     let log = tmp.join("pgsource.db");
-    let config = serde_json::json!({ "url": db_url, "slot": SLOT }).to_string();
+    // A log left by an earlier run would be served (and replaced) first.
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(tmp.join(format!("pgsource.db{suffix}")));
+    }
+    let source_url = match sslmode {
+        Some(mode) => format!("{db_url}?sslmode={mode}"),
+        None => db_url.clone(),
+    };
+    let config = serde_json::json!({ "url": source_url, "slot": SLOT }).to_string();
     let mut child = std::process::Command::new(sluice_binary())
         .args(["run", "--source", "postgres", "--listen", &addr, "--source-config", &config])
         .arg("--change-db")
         .arg(format!("sqlite:{}", log.display()))
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::fs::File::create(tmp.join("pgsource.log"))?)
         .spawn()?;
     let started = Instant::now();
     let rv = loop {
@@ -113,12 +127,18 @@ pub async fn run(url: &str, tmp: &std::path::Path) -> anyhow::Result<()> {
     };
     let seen = Arc::new(Seen::default());
     let subscriber = tokio::spawn(subscribe(addr.clone(), rv, seen.clone()));
+    let sluice_log = tmp.join("pgsource.log");
     let wait_for = |n: u64| {
-        let seen = seen.clone();
+        let (seen, sluice_log) = (seen.clone(), sluice_log.clone());
         async move {
-            let deadline = Instant::now() + Duration::from_secs(300);
+            let deadline = Instant::now() + Duration::from_secs(120);
             while seen.changes.load(Ordering::Relaxed) < n {
-                anyhow::ensure!(Instant::now() < deadline, "the subscriber stalled");
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "the subscriber stalled at {} of {n} changes; sluice's log:\n{}",
+                    seen.changes.load(Ordering::Relaxed),
+                    std::fs::read_to_string(&sluice_log).unwrap_or_default()
+                );
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
             Ok::<_, anyhow::Error>(())
@@ -195,7 +215,8 @@ pub async fn run(url: &str, tmp: &std::path::Path) -> anyhow::Result<()> {
             rate: 500.0,
         },
     ];
-    for w in workloads {
+    let chosen = |w: &Workload| sslmode.is_none() || w.name == "1 row/tx, 100 B" || w.name == "100 rows/tx, 1 KiB";
+    for w in workloads.into_iter().filter(chosen) {
         let base = seen.changes.load(Ordering::Relaxed);
         if let Ok(mut lags) = seen.lags.lock() {
             lags.clear();
@@ -239,7 +260,9 @@ pub async fn run(url: &str, tmp: &std::path::Path) -> anyhow::Result<()> {
         );
     }
     let rss = peak_rss_mib(child.id());
-    println!("sluice peak RSS over the Postgres source runs: {:.0} MiB", rss.unwrap_or(0.0));
+    if sslmode.is_none() {
+        println!("sluice peak RSS over the Postgres source runs: {:.0} MiB", rss.unwrap_or(0.0));
+    }
     let _ = child.kill();
     let _ = child.wait();
     subscriber.abort();

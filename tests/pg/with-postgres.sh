@@ -60,8 +60,20 @@ trap stop EXIT
   echo "host replication sluice_scram 127.0.0.1/32 scram-sha-256"
   cat "$DIR/data/pg_hba.conf"
 } >"$DIR/pg_hba.conf" && cat "$DIR/pg_hba.conf" >"$DIR/data/pg_hba.conf" && rm "$DIR/pg_hba.conf"
+# SLUICE_TEST_PG_SSL=1 (make bench): the server also offers TLS, with a
+# self-signed certificate, so the bench can compare sslmode=require with a
+# plain connection on the same server. The tests keep a plain server and
+# start TLS-only servers of their own (tests/pg_tls.rs).
+SSL_OPTS=""
+if [ "${SLUICE_TEST_PG_SSL:-}" = 1 ] && command -v openssl >/dev/null; then
+  openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=127.0.0.1" \
+    -keyout "$DIR/data/server.key" -out "$DIR/data/server.crt" >/dev/null 2>&1
+  chmod 600 "$DIR/data/server.key"
+  [ "$(id -u)" = 0 ] && chown postgres "$DIR/data/server.key" "$DIR/data/server.crt"
+  SSL_OPTS="-c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key"
+fi
 "${RUN[@]}" "$BINDIR/pg_ctl" -D "$DIR/data" -l "$DIR/server.log" -w -t 60 \
-  -o "-p $PORT -k $DIR -c listen_addresses=127.0.0.1 -c wal_level=logical -c max_connections=300 -c max_wal_senders=20 -c max_replication_slots=20 -c logical_decoding_work_mem=64kB" \
+  -o "-p $PORT -k $DIR $SSL_OPTS -c listen_addresses=127.0.0.1 -c wal_level=logical -c max_connections=300 -c max_wal_senders=20 -c max_replication_slots=20 -c logical_decoding_work_mem=64kB" \
   start >/dev/null || { cat "$DIR/server.log" >&2; exit 1; }
 
 export SLUICE_TEST_PG_URL="postgres://postgres@127.0.0.1:$PORT/postgres"
