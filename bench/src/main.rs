@@ -86,8 +86,20 @@ async fn main() -> anyhow::Result<()> {
         // SLUICE_BENCH_ZERO_ROWS (1,000,000) and SLUICE_BENCH_ZERO_SECS (10) size it.
         zero_cache::run(url, &tmp).await?;
     }
-    if let (true, Some(url)) = (run("tls"), &pg_url) {
-        tls_cost(&registry, &tmp, url).await?;
+    if run("tls") {
+        println!(
+            "\n## TLS cost on the endpoint: fan-out, plain WebSockets and over TLS (10 rows of 100 B per transaction)"
+        );
+        let tls = BenchTls::new(&tmp)?;
+        for (subscribers, rate) in [(10usize, 1000.0f64), (10, 0.0), (100, 0.0)] {
+            let txs = if rate > 0.0 { (rate * 10.0) as u64 } else { 200_000 / subscribers.min(10) as u64 };
+            for over in [None, Some(&tls)] {
+                fanout_over(&tmp, subscribers, rate, txs, FanoutFilter::None, over).await?;
+            }
+        }
+        if let Some(url) = &pg_url {
+            tls_cost(&registry, &tmp, url).await?;
+        }
     }
     if run("mariadb") {
         match (std::env::var("SLUICE_TEST_MARIADB"), std::env::var("SLUICE_TEST_MARIADB_SOCKET")) {
@@ -238,6 +250,39 @@ fn split_frame(text: &str) -> anyhow::Result<(u64, &str)> {
 /// sent after the subscriber had been live for half a second: earlier ones
 /// came by catch-up from the log, which is not what live latency means.
 async fn bench_subscriber(addr: String, id: usize, last: String, extra: String) -> anyhow::Result<(u64, Vec<u64>)> {
+    bench_subscriber_over(addr, id, last, extra, None).await
+}
+
+/// A byte stream a WebSocket runs over: TCP, or TLS over TCP.
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
+/// A WebSocket to `url` at `addr`, over TLS when `tls` is given.
+async fn ws_connect(
+    addr: &str,
+    url: String,
+    tls: Option<&Arc<rustls::ClientConfig>>,
+) -> anyhow::Result<tokio_tungstenite::WebSocketStream<Box<dyn Io>>> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    tcp.set_nodelay(true)?;
+    let stream: Box<dyn Io> = match tls {
+        Some(config) => {
+            let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?;
+            Box::new(tokio_rustls::TlsConnector::from(config.clone()).connect(name, tcp).await?)
+        }
+        None => Box::new(tcp),
+    };
+    let (ws, _) = tokio_tungstenite::client_async(url, stream).await?;
+    Ok(ws)
+}
+
+async fn bench_subscriber_over(
+    addr: String,
+    id: usize,
+    last: String,
+    extra: String,
+    tls: Option<Arc<rustls::ClientConfig>>,
+) -> anyhow::Result<(u64, Vec<u64>)> {
     use futures::{FutureExt, SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message as Ws;
     let now_us = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64);
@@ -248,9 +293,11 @@ async fn bench_subscriber(addr: String, id: usize, last: String, extra: String) 
     let mut resume = "00".to_string();
     let mut attempts = 0;
     loop {
-        let url =
-            format!("ws://{addr}/replication/v6/changes?id=bench-{id}&replicaVersion=00&watermark={resume}{extra}");
-        let (mut ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await?;
+        let scheme = if tls.is_some() { "wss" } else { "ws" };
+        let url = format!(
+            "{scheme}://{addr}/replication/v6/changes?id=bench-{id}&replicaVersion=00&watermark={resume}{extra}"
+        );
+        let mut ws = ws_connect(&addr, url, tls.as_ref()).await?;
         // Changes of a transaction count once its commit arrives (a cut
         // transaction is sent again whole).
         let mut in_tx = 0u64;
@@ -334,8 +381,50 @@ async fn fanout(tmp: &Path, subscribers: usize, rate: f64) -> anyhow::Result<()>
 }
 
 async fn fanout_with(tmp: &Path, subscribers: usize, rate: f64, txs: u64, filter: FanoutFilter) -> anyhow::Result<()> {
+    fanout_over(tmp, subscribers, rate, txs, filter, None).await
+}
+
+/// The endpoint's certificate for the TLS fan-out: files for `sluice run`
+/// and the client configuration that trusts them.
+struct BenchTls {
+    cert: PathBuf,
+    key: PathBuf,
+    client: Arc<rustls::ClientConfig>,
+}
+
+impl BenchTls {
+    fn new(tmp: &Path) -> anyhow::Result<BenchTls> {
+        let key = rcgen::KeyPair::generate()?;
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+        params.subject_alt_names = vec![rcgen::SanType::IpAddress("127.0.0.1".parse()?)];
+        let cert = params.self_signed(&key)?;
+        let (cert_file, key_file) = (tmp.join("endpoint.crt"), tmp.join("endpoint.key"));
+        std::fs::write(&cert_file, cert.pem())?;
+        std::fs::write(&key_file, key.serialize_pem())?;
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(cert.der().clone())?;
+        let client = rustls::ClientConfig::builder_with_provider(sluice::pgconn::tls::crypto_provider())
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Ok(BenchTls { cert: cert_file, key: key_file, client: Arc::new(client) })
+    }
+}
+
+async fn fanout_over(
+    tmp: &Path,
+    subscribers: usize,
+    rate: f64,
+    txs: u64,
+    filter: FanoutFilter,
+    tls: Option<&BenchTls>,
+) -> anyhow::Result<()> {
     let addr = free_addr();
-    let db = tmp.join(format!("fanout-{subscribers}-{rate}-{txs}-{}.db", filter as u8));
+    let db = tmp.join(format!(
+        "fanout-{subscribers}-{rate}-{txs}-{}{}.db",
+        filter as u8,
+        if tls.is_some() { "-tls" } else { "" }
+    ));
     let config =
         serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": 100, "rate": rate, "timestamps": true});
     // Subscribers connect at the replica version while the source runs;
@@ -348,6 +437,10 @@ async fn fanout_with(tmp: &Path, subscribers: usize, rate: f64, txs: u64, filter
         .arg(format!("sqlite:{}", db.display()))
         .arg("--source-config")
         .arg(config.to_string())
+        .args(
+            tls.map(|t| vec!["--tls-cert".into(), t.cert.clone(), "--tls-key".into(), t.key.clone()])
+                .unwrap_or_default(),
+        )
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()?;
@@ -376,8 +469,10 @@ async fn fanout_with(tmp: &Path, subscribers: usize, rate: f64, txs: u64, filter
             .collect();
         format!("&filters={encoded}")
     };
-    let tasks: Vec<_> =
-        (0..subscribers).map(|i| tokio::spawn(bench_subscriber(addr.clone(), i, last.clone(), extra(i)))).collect();
+    let client = tls.map(|t| t.client.clone());
+    let tasks: Vec<_> = (0..subscribers)
+        .map(|i| tokio::spawn(bench_subscriber_over(addr.clone(), i, last.clone(), extra(i), client.clone())))
+        .collect();
     let mut changes = 0u64;
     let mut latencies = Vec::new();
     for t in tasks {
@@ -407,7 +502,8 @@ async fn fanout_with(tmp: &Path, subscribers: usize, rate: f64, txs: u64, filter
         )
     };
     println!(
-        "{subscribers:>3} subscribers{filtered}, {}: {:>9.0} changes/s delivered in total, {latency}, sluice peak RSS {:.0} MiB",
+        "{subscribers:>3} subscribers{filtered}{}, {}: {:>9.0} changes/s delivered in total, {latency}, sluice peak RSS {:.0} MiB",
+        if tls.is_some() { " over TLS" } else { "" },
         if rate > 0.0 { format!("source at {rate:.0} tx/s") } else { "source unthrottled".to_string() },
         changes as f64 / secs,
         rss.unwrap_or(0.0)
