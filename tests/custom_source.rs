@@ -493,3 +493,106 @@ async fn a_sluice_serves_the_custom_protocol_from_its_table_state_and_log() {
     let first = futures::StreamExt::next(&mut ws).await.unwrap().unwrap().into_text().unwrap();
     assert!(first.starts_with(r#"["control",{"tag":"reset-required""#), "{first}");
 }
+
+/// A TLS terminator in front of a plain upstream, with the test CA's
+/// certificate for 127.0.0.1: what a `wss://` endpoint looks like.
+async fn tls_front(pki: &common::pki::Pki, backend: String) -> String {
+    use rustls::pki_types::pem::PemObject;
+    let chain = rustls::pki_types::CertificateDer::pem_file_iter(pki.path("server.crt"))
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_file(pki.path("server.key")).unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(sluice::pgconn::tls::crypto_provider())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let (acceptor, backend) = (acceptor.clone(), backend.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(socket).await else { return };
+                let mut plain = tokio::net::TcpStream::connect(backend).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    addr
+}
+
+/// `wss://`: the plugin has no TLS stack, so `sluice run` gives it a
+/// loopback forwarder that opens the TLS connection and checks the
+/// certificate with `tls_ca`. The snapshot and a live transaction arrive;
+/// with a CA that did not sign the certificate, one line says so and
+/// nothing is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wss_upstream_is_reached_through_the_hosts_tls() {
+    let pki = common::pki::Pki::new();
+    let up = Upstream::start(snapshot(2)).await;
+    let backend = up.url().trim_start_matches("ws://").trim_end_matches('/').to_string();
+    let front = tls_front(&pki, backend).await;
+    let run = |ca: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let addr = common::process::free_addr();
+        let config = json!({"url": format!("wss://{front}/"), "tls_ca": ca, "appID": "zero", "shardNum": 0});
+        let log = dir.path().join("sluice.log");
+        let child = common::process::sluice()
+            .args(["run", "--source", "zero-custom-source", "--listen", &addr, "--source-config", &config.to_string()])
+            .arg("--plugins")
+            .arg(plugin_dir())
+            .arg("--change-db")
+            .arg(format!("sqlite:{}", dir.path().join("log.db").display()))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        (dir, addr, log, KillOnDrop(child))
+    };
+
+    let (_dir, addr, log, child) = run(&pki.path("ca.crt").display().to_string());
+    let deadline = std::time::Instant::now() + WAIT;
+    let rv = loop {
+        if let Some(rv) = common::process::status(&addr).and_then(|s| s["replicaVersion"].as_str().map(str::to_string))
+        {
+            break rv;
+        }
+        assert!(std::time::Instant::now() < deadline, "no lineage:\n{}", std::fs::read_to_string(&log).unwrap());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    up.append(Tx::new(&wm(1), &[event(10)]));
+    let mut client = Client::subscribe_at(&addr, &rv, &rv).await;
+    let messages = read_through(&mut client, &wm(1)).await;
+    let ids: Vec<i64> = messages
+        .iter()
+        .filter(|m| m[0] == "data" && m[1]["tag"] == "insert" && m[1]["relation"]["name"] == "events")
+        .filter_map(|m| m[1]["new"]["id"].as_i64())
+        .collect();
+    assert_eq!(ids, [0, 1, 10], "the snapshot's rows, then the live insert");
+    drop(child);
+
+    let (dir, addr, log, child) = run(&pki.path("wrong-ca.crt").display().to_string());
+    let deadline = std::time::Instant::now() + WAIT;
+    while !std::fs::read_to_string(&log).unwrap().contains("invalid peer certificate") {
+        assert!(std::time::Instant::now() < deadline, "no TLS error:\n{}", std::fs::read_to_string(&log).unwrap());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = common::process::status(&addr).unwrap();
+    assert!(status["lastWatermark"].is_null(), "something was stored: {status}");
+    drop(child);
+    drop(dir);
+}
+
+/// A child process killed when the test ends, also by a failed assertion.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

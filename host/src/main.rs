@@ -330,6 +330,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let source: Box<dyn ChangeSource> = match &registry {
         _ if builtin => Box::new(PostgresSource::new(&config).map_err(anyhow::Error::msg)?),
         Some(registry) => {
+            let config = sluice::plugin::tls_forward::prepare(&config).await?;
             let net = resolve_net(&config, &args.allow_net)?;
             Box::new(registry.source(&args.source, config, limits, net).await.map_err(anyhow::Error::msg)?)
         }

@@ -8,6 +8,7 @@ mod cache;
 pub mod net;
 mod registry;
 mod sandbox;
+pub mod tls_forward;
 mod wasm_filter;
 mod wasm_source;
 

@@ -56,6 +56,15 @@ struct Config {
     shard_num: u32,
     #[serde(default)]
     publications: Vec<String>,
+    /// Set by the host for a `wss://` or `https://` URL: the loopback
+    /// address of its TLS forwarder, which the plugin dials instead (the
+    /// guest has no TLS stack; the host's rustls checks the upstream).
+    #[serde(rename = "tls_via", default)]
+    tls_via: Option<String>,
+    /// The CA file the host's forwarder checks the upstream with (read by
+    /// the host; the system's CAs without it).
+    #[serde(rename = "tls_ca", default)]
+    _tls_ca: Option<String>,
     /// Connect and handshake timeout.
     #[serde(default = "default_connect_timeout")]
     connect_timeout_ms: u64,
@@ -96,14 +105,15 @@ impl Config {
         let invalid =
             |m: String| PluginError::InvalidConfig(format!("zero-custom-source config: url {:?}: {m}", self.url));
         let uri: Uri = self.url.parse().map_err(|e: tungstenite::http::uri::InvalidUri| invalid(e.to_string()))?;
-        match uri.scheme_str() {
-            Some("ws" | "http") => {}
-            Some("wss" | "https") => {
-                return Err(invalid("TLS (wss://, https://) is not supported by this plugin yet".into()))
-            }
-            Some(other) => return Err(invalid(format!("scheme {other}: is not ws:// or http://"))),
-            None => return Err(invalid("no scheme (ws:// or http://)".into())),
-        }
+        let via = match uri.scheme_str() {
+            Some("ws" | "http") => None,
+            Some("wss" | "https") => match &self.tls_via {
+                Some(via) => Some(via.clone()),
+                None => return Err(invalid("TLS needs the host's TLS forwarder (run it under `sluice run`)".into())),
+            },
+            Some(other) => return Err(invalid(format!("scheme {other}: is not ws://, wss://, http:// or https://"))),
+            None => return Err(invalid("no scheme (ws:// or wss://)".into())),
+        };
         let authority = uri.authority().filter(|a| !a.host().is_empty()).ok_or_else(|| invalid("no host".into()))?;
         let mut path = uri.path().trim_end_matches('/').to_string();
         if !path.ends_with(&format!("/{STREAM_PATH}")) {
@@ -126,12 +136,20 @@ impl Config {
             q.append_pair("lastWatermark", last);
             q.append_pair("replicaVersion", rv);
         }
-        Ok(Endpoint {
-            url: format!("ws://{}{path}?{}", authority.as_str(), q.finish()),
+        // Over the forwarder the handshake still names the upstream (Host).
+        let (host, port) = match via {
+            Some(via) => {
+                let (h, p) =
+                    via.rsplit_once(':').ok_or_else(|| invalid(format!("tls_via {via:?} is not HOST:PORT")))?;
+                (h.to_string(), p.parse().map_err(|_| invalid(format!("tls_via {via:?} is not HOST:PORT")))?)
+            }
             // `[::1]` -> `::1` for the socket address.
-            host: authority.host().trim_start_matches('[').trim_end_matches(']').to_string(),
-            port: authority.port_u16().unwrap_or(80),
-        })
+            None => (
+                authority.host().trim_start_matches('[').trim_end_matches(']').to_string(),
+                authority.port_u16().unwrap_or(80),
+            ),
+        };
+        Ok(Endpoint { url: format!("ws://{}{path}?{}", authority.as_str(), q.finish()), host, port })
     }
 }
 
