@@ -53,8 +53,9 @@ enum Command {
     },
     /// List the plugins in a directory and whether they load.
     Plugins {
-        #[arg(long, default_value = "target/plugins")]
-        plugins: PathBuf,
+        /// Default: as for `run`.
+        #[arg(long, env = "SLUICE_PLUGINS")]
+        plugins: Option<PathBuf>,
         #[arg(long)]
         cache_dir: Option<PathBuf>,
     },
@@ -63,8 +64,10 @@ enum Command {
 #[derive(clap::Args)]
 struct RunArgs {
     /// Directory of plugin components (`*.wasm`).
-    #[arg(long, default_value = "target/plugins", env = "SLUICE_PLUGINS")]
-    plugins: PathBuf,
+    /// Default: `target/plugins` in a checkout, else `../lib/sluice/plugins`
+    /// or `plugins` beside the binary, whichever exists.
+    #[arg(long, env = "SLUICE_PLUGINS")]
+    plugins: Option<PathBuf>,
     /// The source: `postgres` (built in) or the name of a source plugin (its file stem).
     #[arg(long, env = "SLUICE_SOURCE")]
     source: String,
@@ -219,7 +222,9 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => run(*args).await,
-            Command::Plugins { plugins, cache_dir } => list_plugins(plugins, cache_dir).await,
+            Command::Plugins { plugins, cache_dir } => {
+                list_plugins(plugins.unwrap_or_else(default_plugin_dir), cache_dir).await
+            }
             Command::Tail { url, watermark, replica_version, max_tx, json, filters } => {
                 sluice::tail::run(sluice::tail::TailOptions { url, watermark, replica_version, max_tx, json, filters })
                     .await
@@ -233,6 +238,23 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// The plugin directory when none is given: the build tree's when run from
+/// a checkout, else where an installation keeps it beside the binary
+/// (`PREFIX/bin/sluice` with `PREFIX/lib/sluice/plugins`, or an unpacked
+/// archive with `plugins/` next to the binary).
+fn default_plugin_dir() -> PathBuf {
+    let build_tree = PathBuf::from("target/plugins");
+    let beside_binary = std::env::current_exe().ok().and_then(|exe| exe.parent().map(|d| d.to_path_buf()));
+    let installed = beside_binary.as_ref().map(|d| d.join("../lib/sluice/plugins"));
+    let unpacked = beside_binary.as_ref().map(|d| d.join("plugins"));
+    [Some(build_tree), installed.clone(), unpacked]
+        .into_iter()
+        .flatten()
+        .find(|d| d.is_dir())
+        .or(installed)
+        .unwrap_or_else(|| PathBuf::from("target/plugins"))
 }
 
 /// `argv` with the settings of `run --config FILE` (or `SLUICE_CONFIG`)
@@ -322,8 +344,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     // `postgres` is built in and needs no plugin directory; any other source
     // is a plugin. Filters come from the same directory.
     let builtin = args.source == "postgres";
-    let registry = if !builtin || args.plugins.is_dir() {
-        Some(Arc::new(Registry::open(&args.plugins, Some(cache_dir)).await?))
+    let plugins = args.plugins.clone().unwrap_or_else(default_plugin_dir);
+    let registry = if !builtin || plugins.is_dir() {
+        Some(Arc::new(Registry::open(&plugins, Some(cache_dir)).await?))
     } else {
         None
     };

@@ -15,6 +15,7 @@ use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::response::Response;
 use futures::{SinkExt, StreamExt};
 
+use super::access::Refusal;
 use super::outbox::Outbox;
 use super::AppState;
 use crate::filter::{FilterGroup, Outcome};
@@ -91,19 +92,16 @@ pub async fn changes(
     Query(query): Query<HashMap<String, String>>,
     ConnectInfo(super::Peer(peer)): ConnectInfo<super::Peer>,
     State(app): State<AppState>,
-) -> Response {
-    let permit = match app.access.admit(peer) {
-        Ok(permit) => permit,
-        Err(refusal) => return axum::response::IntoResponse::into_response(refusal),
-    };
+) -> Result<Response, Refusal> {
+    let permit = app.access.admit(peer)?;
     let ctx = parse_context(&segment, &query);
-    limited(ws).on_upgrade(move |socket| async move {
+    Ok(limited(ws).on_upgrade(move |socket| async move {
         let _permit = permit;
         match ctx {
             Err(message) => close_with_error(socket, &message).await,
             Ok(ctx) => serve(socket, ctx, app).await,
         }
-    })
+    }))
 }
 
 pub async fn snapshot(
@@ -112,11 +110,8 @@ pub async fn snapshot(
     Query(query): Query<HashMap<String, String>>,
     ConnectInfo(super::Peer(peer)): ConnectInfo<super::Peer>,
     State(app): State<AppState>,
-) -> Response {
-    let permit = match app.access.admit(peer) {
-        Ok(permit) => permit,
-        Err(refusal) => return axum::response::IntoResponse::into_response(refusal),
-    };
+) -> Result<Response, Refusal> {
+    let permit = app.access.admit(peer)?;
     let path = format!("/replication/{segment}/snapshot");
     let result: Result<(), String> = check_protocol(&segment, &path).and_then(|_| {
         if param(&query, "taskID", false)?.is_none() {
@@ -124,12 +119,12 @@ pub async fn snapshot(
         }
         Err("backups are not configured".to_string())
     });
-    limited(ws).on_upgrade(move |socket| async move {
+    Ok(limited(ws).on_upgrade(move |socket| async move {
         let _permit = permit;
         if let Err(message) = result {
             close_with_error(socket, &message).await;
         }
-    })
+    }))
 }
 
 /// Closes with 1002 and `Error: <message>`, cut to 123 bytes like Zero's `elide`.

@@ -71,19 +71,16 @@ pub async fn stream(
     RawQuery(query): RawQuery,
     ConnectInfo(super::Peer(peer)): ConnectInfo<super::Peer>,
     State(app): State<AppState>,
-) -> Response {
-    let permit = match app.access.admit(peer) {
-        Ok(permit) => permit,
-        Err(refusal) => return axum::response::IntoResponse::into_response(refusal),
-    };
+) -> Result<Response, super::access::Refusal> {
+    let permit = app.access.admit(peer)?;
     let request = parse_request(query.as_deref().unwrap_or(""));
-    ws.on_upgrade(move |socket| async move {
+    Ok(ws.on_upgrade(move |socket| async move {
         let _permit = permit;
         match request {
             Err(message) => close_with_error(socket, &message).await,
             Ok(request) => serve(socket, request, app).await,
         }
-    })
+    }))
 }
 
 fn text(s: String) -> Message {
