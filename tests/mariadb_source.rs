@@ -434,3 +434,44 @@ async fn set_up_errors_are_clear() {
     let err = open(closed).await.expect("refused");
     assert!(err.contains("cannot reach MariaDB at 127.0.0.1:"), "{err}");
 }
+
+/// TLS: a server that accepts only secure transport, with a certificate the
+/// test made. The plugin has no TLS stack; the host's forwarder (as
+/// `sluice run` starts it for `"tls": true`) upgrades inside MariaDB's
+/// protocol and checks the certificate with `tls_ca`. The snapshot and live
+/// rows arrive, over TLS connections the server counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_is_done_by_the_hosts_forwarder() {
+    init_logs();
+    let pki = common::pki::Pki::new();
+    // Files the server's user can read.
+    let files = tempfile::Builder::new().prefix("sluice-mariadb-tls").tempdir().unwrap();
+    for name in ["ca.crt", "server.crt", "server.key"] {
+        std::fs::copy(pki.path(name), files.path().join(name)).unwrap();
+    }
+    let _ = std::process::Command::new("chmod").args(["-R", "a+rX"]).arg(files.path()).status();
+    let arg = |flag: &str, name: &str| format!("--{flag}={}", files.path().join(name).display());
+    let server = mariadb::Server::start(&[
+        &arg("ssl-ca", "ca.crt"),
+        &arg("ssl-cert", "server.crt"),
+        &arg("ssl-key", "server.key"),
+        "--require-secure-transport=ON",
+    ]);
+    let m = &server.maria;
+    m.database("msrc_tls");
+    m.sql("CREATE TABLE msrc_tls.t (id int PRIMARY KEY, note text); INSERT INTO msrc_tls.t VALUES (1, 'a'), (2, 'b')");
+    let mut config = m.config(&["msrc_tls"]);
+    config["tls"] = json!(true);
+    config["tls_ca"] = json!(pki.path("ca.crt").display().to_string());
+    let config = sluice::plugin::tls_forward::prepare(&config.to_string()).await.unwrap();
+    let config: Value = serde_json::from_str(&config).unwrap();
+    assert!(config["tls_via"].as_str().is_some_and(|v| v.starts_with("127.0.0.1:")), "{config}");
+    let sluice = start_sluice(config).await;
+    let replica = sluice.subscribe().await;
+    converge(m, &replica, &[("msrc_tls.t", &["id", "note"])]).await;
+    m.sql("INSERT INTO msrc_tls.t VALUES (3, 'live'); UPDATE msrc_tls.t SET note = 'changed' WHERE id = 1");
+    converge(m, &replica, &[("msrc_tls.t", &["id", "note"])]).await;
+    let accepted: u64 =
+        m.sql("SHOW GLOBAL STATUS LIKE 'Ssl_accepts'").split_whitespace().last().unwrap().parse().unwrap();
+    assert!(accepted >= 2, "the server accepted {accepted} TLS connections");
+}

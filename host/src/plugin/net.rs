@@ -22,10 +22,11 @@ pub fn config_endpoints(config: &str) -> anyhow::Result<Vec<String>> {
         return Ok(Vec::new());
     };
     let mut out = Vec::new();
-    // A TLS URL is reached through the host's forwarder, and only it.
+    // A TLS upstream is reached through the host's forwarder, and only it.
     if let Some(via) = map.get("tls_via").and_then(|v| v.as_str()) {
-        out.push(via.to_string());
-    } else if let Some(url) = map.get("url") {
+        return Ok(vec![via.to_string()]);
+    }
+    if let Some(url) = map.get("url") {
         let text = url.as_str().context("source config: `url` must be a string")?;
         let parsed = url::Url::parse(text).with_context(|| format!("source config: `url` {text:?} is not a URL"))?;
         let host = parsed.host_str().with_context(|| format!("source config: `url` {text:?} has no host"))?;

@@ -8,6 +8,15 @@
 //! The host adds `"tls_via": "127.0.0.1:PORT"` to the plugin's config; a
 //! plugin that supports this dials it and still names the upstream in what
 //! it sends (the WebSocket handshake's Host).
+//!
+//! Two kinds of upstream:
+//! * a `wss://` or `https://` `url`: TLS from the first byte;
+//! * `"tls": true` beside `host` and `port`: MySQL/MariaDB, where TLS
+//!   starts inside the protocol. The forwarder passes the server's greeting
+//!   to the plugin, turns the plugin's handshake response into an SSL
+//!   request, upgrades, sends the response over TLS and renumbers the
+//!   packets of the login exchange (each side counts its own); after the
+//!   login it only copies bytes.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -22,23 +31,31 @@ struct TlsUpstream {
     host: String,
     port: u16,
     ca: Option<PathBuf>,
+    /// TLS starts after the MySQL greeting, not at once.
+    mysql: bool,
 }
 
 fn tls_upstream(config: &serde_json::Map<String, serde_json::Value>) -> anyhow::Result<Option<TlsUpstream>> {
+    let ca = match config.get("tls_ca") {
+        Some(v) => Some(PathBuf::from(v.as_str().context("source config: `tls_ca` must be a file path")?)),
+        None => None,
+    };
+    if config.get("tls") == Some(&serde_json::Value::Bool(true)) {
+        let host = config.get("host").and_then(|h| h.as_str()).context("source config: `tls` needs `host`")?;
+        let port = config.get("port").and_then(|p| p.as_u64()).and_then(|p| u16::try_from(p).ok()).unwrap_or(3306);
+        return Ok(Some(TlsUpstream { host: host.to_string(), port, ca, mysql: true }));
+    }
     let Some(url) = config.get("url").and_then(|u| u.as_str()) else { return Ok(None) };
     let parsed = url::Url::parse(url).with_context(|| format!("source config: `url` {url:?} is not a URL"))?;
     if !matches!(parsed.scheme(), "wss" | "https") {
         return Ok(None);
     }
     let host = parsed.host_str().with_context(|| format!("source config: `url` {url:?} has no host"))?;
-    let ca = match config.get("tls_ca") {
-        Some(v) => Some(PathBuf::from(v.as_str().context("source config: `tls_ca` must be a file path")?)),
-        None => None,
-    };
     Ok(Some(TlsUpstream {
         host: host.trim_start_matches('[').trim_end_matches(']').to_string(),
         port: parsed.port().unwrap_or(443),
         ca,
+        mysql: false,
     }))
 }
 
@@ -107,9 +124,13 @@ async fn pipe(
     upstream: &TlsUpstream,
     client: Arc<rustls::ClientConfig>,
 ) -> anyhow::Result<()> {
-    let tcp = TcpStream::connect((upstream.host.as_str(), upstream.port)).await.context("connecting")?;
+    let mut tcp = TcpStream::connect((upstream.host.as_str(), upstream.port)).await.context("connecting")?;
     tcp.set_nodelay(true)?;
     plugin_side.set_nodelay(true)?;
+    let response = match upstream.mysql {
+        true => Some(mysql::start(&mut plugin_side, &mut tcp).await?),
+        false => None,
+    };
     let name = ServerName::try_from(upstream.host.clone()).context("the upstream's name")?;
     let mut tls = tokio_rustls::TlsConnector::from(client).connect(name, tcp).await.map_err(|e| {
         let hint = if e.to_string().contains("invalid peer certificate") {
@@ -119,7 +140,99 @@ async fn pipe(
         };
         anyhow::anyhow!("TLS handshake: {e}{hint}")
     })?;
+    if let Some(response) = response {
+        mysql::login(&mut plugin_side, &mut tls, response).await?;
+    }
     // Either side closing ends both.
     let _ = tokio::io::copy_bidirectional(&mut plugin_side, &mut tls).await;
     Ok(())
+}
+
+/// MySQL/MariaDB's in-protocol TLS upgrade, seen from the middle.
+mod mysql {
+    use anyhow::{bail, Context};
+    use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+    /// The capability bit of TLS.
+    const CLIENT_SSL: u32 = 0x0800;
+
+    struct Packet {
+        seq: u8,
+        payload: Vec<u8>,
+    }
+
+    async fn read(from: &mut (impl AsyncRead + Unpin)) -> anyhow::Result<Packet> {
+        let mut header = [0u8; 4];
+        from.read_exact(&mut header).await.context("reading a packet")?;
+        let len = u32::from_le_bytes([header[0], header[1], header[2], 0]) as usize;
+        let mut payload = vec![0u8; len];
+        from.read_exact(&mut payload).await.context("reading a packet")?;
+        Ok(Packet { seq: header[3], payload })
+    }
+
+    async fn write(to: &mut (impl AsyncWrite + Unpin), seq: u8, payload: &[u8]) -> anyhow::Result<()> {
+        let len = (payload.len() as u32).to_le_bytes();
+        to.write_all(&[len[0], len[1], len[2], seq]).await?;
+        to.write_all(payload).await?;
+        to.flush().await?;
+        Ok(())
+    }
+
+    /// Relays the greeting, then sends the SSL request built from the
+    /// plugin's handshake response; returns that response (with the TLS bit
+    /// set) for after the upgrade.
+    pub async fn start(
+        plugin: &mut tokio::net::TcpStream,
+        server: &mut tokio::net::TcpStream,
+    ) -> anyhow::Result<Vec<u8>> {
+        let greeting = read(server).await.context("the server's greeting")?;
+        if greeting.payload.first() == Some(&0xff) {
+            bail!(
+                "the server refused the connection: {}",
+                String::from_utf8_lossy(&greeting.payload[3.min(greeting.payload.len())..])
+            );
+        }
+        // Protocol 10: version, NUL, thread id (4), scramble (8), filler, capabilities (low 2 bytes).
+        let caps_at = greeting.payload.iter().position(|b| *b == 0).map(|nul| nul + 1 + 4 + 8 + 1);
+        let caps = caps_at
+            .and_then(|at| greeting.payload.get(at..at + 2))
+            .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
+            .context("a greeting too short to hold the server's capabilities")?;
+        if caps & CLIENT_SSL == 0 {
+            bail!("the MariaDB server does not offer TLS (start it with ssl_cert and ssl_key), and the source config asks for it");
+        }
+        write(plugin, greeting.seq, &greeting.payload).await?;
+        let mut response = read(plugin).await.context("the plugin's handshake response")?;
+        if response.payload.len() < 32 {
+            bail!("the plugin's handshake response is too short ({} bytes)", response.payload.len());
+        }
+        let flags =
+            u32::from_le_bytes([response.payload[0], response.payload[1], response.payload[2], response.payload[3]]);
+        response.payload[..4].copy_from_slice(&(flags | CLIENT_SSL).to_le_bytes());
+        // The SSL request is the response's first 32 bytes: capabilities,
+        // max packet size, character set, reserved.
+        write(server, response.seq, &response.payload[..32]).await?;
+        Ok(response.payload)
+    }
+
+    /// Sends the handshake response over TLS and relays the login exchange,
+    /// each packet renumbered by one (the SSL request took a number on the
+    /// server's side only), until the server's OK or error.
+    pub async fn login(
+        plugin: &mut tokio::net::TcpStream,
+        server: &mut (impl AsyncRead + AsyncWrite + Unpin),
+        response: Vec<u8>,
+    ) -> anyhow::Result<()> {
+        write(server, 2, &response).await?;
+        loop {
+            let from_server = read(server).await.context("the login")?;
+            let done = matches!(from_server.payload.first(), Some(0x00) | Some(0xff));
+            write(plugin, from_server.seq.wrapping_sub(1), &from_server.payload).await?;
+            if done {
+                return Ok(());
+            }
+            let from_plugin = read(plugin).await.context("the login")?;
+            write(server, from_plugin.seq.wrapping_add(1), &from_plugin.payload).await?;
+        }
+    }
 }
