@@ -1012,6 +1012,7 @@ async fn fuzz_subscriber_endpoint() {
         filters: sluice::filter::FilterHost::none(),
         zero_permissions: None,
         access: sluice::server::access::Access::open(),
+        ready_backoff: Duration::from_secs(30),
     };
     let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
     tokio::spawn(serve);

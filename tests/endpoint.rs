@@ -255,3 +255,23 @@ async fn a_tls_endpoint_serves_and_reloads_its_certificate() {
     let refused = tls_subscribe(&host.addr, &first.path("ca.crt")).await.unwrap_err();
     assert!(refused.contains("invalid peer certificate"), "{refused}");
 }
+
+/// `GET /healthz` answers at once and needs no token; `GET /readyz` says
+/// 200 once the lineage is established; `--log-format json` writes one JSON
+/// object per line and no colour codes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_readiness_and_json_logs() {
+    let host = Host::start_with(tempfile::tempdir().unwrap(), &["--log-format".to_string(), "json".to_string()]);
+    assert_eq!(get_status(&host.addr, "/healthz", None), 200);
+    let deadline = Instant::now() + WAIT;
+    while get_status(&host.addr, "/readyz", None) != 200 {
+        assert!(Instant::now() < deadline, "never ready:\n{}", host.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = host.log_text();
+    assert!(!log.contains('\u{1b}'), "colour codes in a log file:\n{log}");
+    for line in log.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert!(v["level"].is_string() && v["fields"]["message"].is_string(), "{line}");
+    }
+}

@@ -22,6 +22,10 @@ use sluice::streamer::StreamerOptions;
 #[derive(Parser)]
 #[command(name = "sluice", version, about = "A pluggable change streamer that speaks Zero's change-streamer protocol")]
 struct Cli {
+    /// Log lines as `text` (for people) or `json` (one object per line, for
+    /// a log collector).
+    #[arg(long, global = true, default_value = "text", env = "SLUICE_LOG_FORMAT", value_parser = ["text", "json"])]
+    log_format: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -171,6 +175,9 @@ struct RunArgs {
     /// The private key (PEM) of --tls-cert.
     #[arg(long, env = "SLUICE_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Seconds the source may back off before `GET /readyz` answers 503.
+    #[arg(long, default_value_t = 30, env = "SLUICE_READY_BACKOFF_SECS")]
+    ready_backoff_secs: u64,
     /// A TOML file of settings, named as the flags are (`listen = "..."`,
     /// `allow-filter = ["redact"]`). Flags and `SLUICE_*` variables win over it.
     #[arg(long, env = "SLUICE_CONFIG")]
@@ -196,15 +203,6 @@ struct RunArgs {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,wasmtime=warn,cranelift=warn")),
-        )
-        .with_writer(std::io::stderr)
-        // Colour only for a person at a terminal, never into a collector's file.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = match with_config_file(std::env::args().collect()) {
         Ok(argv) => Cli::parse_from(argv),
         Err(e) => {
@@ -212,6 +210,19 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,wasmtime=warn,cranelift=warn")),
+        )
+        .with_writer(std::io::stderr)
+        // Colour only for a person at a terminal, never into a collector's file.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    if cli.log_format == "json" {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -465,6 +476,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         log_progress: true,
         access,
         endpoint_tls: endpoint_tls.clone(),
+        ready_backoff: Duration::from_secs(args.ready_backoff_secs),
         ..ServiceConfig::new(source, log, reader)
     };
     let mut service = Service::start(config).await?;

@@ -60,6 +60,8 @@ pub struct ServiceConfig {
     pub access: Arc<crate::server::access::Access>,
     /// TLS on the endpoint (`None`: plain).
     pub endpoint_tls: Option<Arc<crate::server::tls::EndpointTls>>,
+    /// How long the source may back off before `/readyz` says not ready.
+    pub ready_backoff: Duration,
 }
 
 impl ServiceConfig {
@@ -80,6 +82,7 @@ impl ServiceConfig {
             zero_permissions: None,
             access: crate::server::access::Access::open(),
             endpoint_tls: None,
+            ready_backoff: Duration::from_secs(30),
             consumer_retention: crate::reservations::DEFAULT_RETENTION,
             log_progress: false,
         }
@@ -132,6 +135,7 @@ impl Service {
             filters: config.filters,
             zero_permissions: config.zero_permissions.map(Arc::new),
             access: config.access,
+            ready_backoff: config.ready_backoff,
         };
         // zero-cache dials a discovered address as ws:// unless it names a scheme.
         let scheme = if config.endpoint_tls.is_some() { "wss://" } else { "" };

@@ -95,6 +95,9 @@ pub struct Status {
     commit_ns: AtomicU64,
     /// When the source last sent a message (ms since the Unix epoch; 0: never).
     source_message_ms: AtomicU64,
+    /// When the source began backing off, this time (ms since the Unix
+    /// epoch; 0: it is not backing off).
+    backing_off_since_ms: AtomicU64,
 }
 
 fn now_ms() -> u64 {
@@ -114,6 +117,42 @@ impl Status {
     pub fn update(&self, f: impl FnOnce(&mut Snapshot)) {
         let mut s = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut s);
+        if matches!(s.source, SourceState::BackingOff { .. }) {
+            let _ = self.backing_off_since_ms.compare_exchange(0, now_ms(), Ordering::Relaxed, Ordering::Relaxed);
+        } else {
+            self.backing_off_since_ms.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether this host should get traffic (`GET /readyz`): its lineage is
+    /// established, the upstream needs no reset, and the source runs or has
+    /// been backing off for less than `backoff_limit`. The reason when not.
+    pub fn readiness(&self, backoff_limit: std::time::Duration) -> Result<(), String> {
+        let s = self.inner.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if s.reset_required {
+            return Err(format!(
+                "the upstream requires a reset: {}",
+                s.reset_reason.as_deref().unwrap_or("no reason given")
+            ));
+        }
+        match &s.source {
+            SourceState::Stopped { error } => {
+                return Err(format!("the source stopped: {}", error.as_deref().unwrap_or("no error")))
+            }
+            SourceState::BackingOff { last_error, .. } => {
+                let since = self.backing_off_since_ms.load(Ordering::Relaxed);
+                let for_ms = now_ms().saturating_sub(since);
+                if since > 0 && for_ms >= backoff_limit.as_millis() as u64 {
+                    return Err(format!("the source has been backing off for {} s: {last_error}", for_ms / 1000));
+                }
+            }
+            SourceState::Starting | SourceState::Running => {}
+        }
+        match s.lineage {
+            LineageState::Established => Ok(()),
+            LineageState::Snapshotting { .. } => Err("the initial snapshot is being stored".into()),
+            LineageState::None => Err("no lineage yet (the source is starting)".into()),
+        }
     }
 
     pub fn snapshot(&self) -> Snapshot {
@@ -145,5 +184,33 @@ impl Status {
             Stage::Commit => &self.commit_ns,
         };
         counter.fetch_add(ns, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn readiness_follows_the_lineage_the_source_and_resets() {
+        let status = Status::default();
+        assert!(status.readiness(Duration::from_secs(30)).unwrap_err().contains("no lineage"));
+        status.update(|s| {
+            s.lineage = LineageState::Established;
+            s.source = SourceState::Running;
+        });
+        assert_eq!(status.readiness(Duration::from_secs(30)), Ok(()));
+        status.update(|s| s.source = SourceState::BackingOff { last_error: "refused".into(), retry_in_ms: 10 });
+        // Within the limit still ready; past it (a zero limit) not.
+        assert_eq!(status.readiness(Duration::from_secs(30)), Ok(()));
+        assert!(status.readiness(Duration::ZERO).unwrap_err().contains("refused"));
+        status.update(|s| s.source = SourceState::Running);
+        assert_eq!(status.readiness(Duration::ZERO), Ok(()));
+        status.update(|s| {
+            s.reset_required = true;
+            s.reset_reason = Some("slot lost".into());
+        });
+        assert!(status.readiness(Duration::from_secs(30)).unwrap_err().contains("slot lost"));
     }
 }

@@ -514,6 +514,7 @@ pub async fn serve_hub(hub: Arc<sluice::hub::Hub>, status: Arc<Status>) -> Serve
         filters: sluice::filter::FilterHost::none(),
         zero_permissions: None,
         access: sluice::server::access::Access::open(),
+        ready_backoff: Duration::from_secs(30),
     };
     let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
     tokio::spawn(serve);

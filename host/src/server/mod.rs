@@ -36,6 +36,8 @@ pub struct AppState {
     pub zero_permissions: Option<Arc<zero_tables::Permissions>>,
     /// The token and the connection caps.
     pub access: Arc<access::Access>,
+    /// How long the source may back off before `/readyz` says not ready.
+    pub ready_backoff: std::time::Duration,
 }
 
 /// The routes. The health checks stay open; everything else needs the
@@ -47,7 +49,23 @@ pub fn router(state: AppState) -> Router {
         .route("/replication/{version}/snapshot", get(changes::snapshot))
         .route("/changes/v0/stream", get(upstream::stream))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), access::require_token));
-    Router::new().route("/", get(ok)).route("/keepalive", get(ok)).merge(guarded).with_state(state)
+    Router::new()
+        .route("/", get(ok))
+        .route("/keepalive", get(ok))
+        .route("/healthz", get(ok))
+        .route("/readyz", get(ready))
+        .merge(guarded)
+        .with_state(state)
+}
+
+/// 200 when this host should get traffic, else 503 with the reason (see
+/// [`crate::status::Status::readiness`]).
+async fn ready(State(state): State<AppState>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match state.status.readiness(state.ready_backoff) {
+        Ok(()) => "ready\n".into_response(),
+        Err(reason) => (axum::http::StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")).into_response(),
+    }
 }
 
 async fn ok() -> &'static str {
