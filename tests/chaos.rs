@@ -1013,6 +1013,7 @@ async fn fuzz_subscriber_endpoint() {
         zero_permissions: None,
         access: sluice::server::access::Access::open(),
         ready_backoff: Duration::from_secs(30),
+        shutdown: stop_rx.clone(),
     };
     let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
     tokio::spawn(serve);

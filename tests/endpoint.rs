@@ -73,6 +73,12 @@ impl Host {
             assert!(Instant::now() < deadline, "sluice does not answer:\n{}", host.log_text());
             std::thread::sleep(Duration::from_millis(50));
         }
+        // Subscribers are served once the snapshot is durable (before, they
+        // are closed without an error, as by Zero's change-streamer).
+        while !host.log_text().contains("serving subscribers") {
+            assert!(Instant::now() < deadline, "the snapshot is not durable:\n{}", host.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
         host
     }
 
@@ -274,4 +280,34 @@ async fn health_readiness_and_json_logs() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
         assert!(v["level"].is_string() && v["fields"]["message"].is_string(), "{line}");
     }
+}
+
+/// SIGTERM: every subscriber gets a close frame with 1001 (going away), the
+/// storer finishes, and the process exits 0 by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_closes_subscribers_with_going_away_and_exits_zero() {
+    let mut host = Host::start();
+    let mut a = host.subscribe("", bearer()).await.unwrap();
+    let mut b = host.subscribe("", bearer()).await.unwrap();
+    for c in [&mut a, &mut b] {
+        for _ in 0..5 {
+            assert!(c.next().await.is_some(), "closed early:\n{}", host.log_text());
+        }
+    }
+    let pid = host.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    for client in [a, b] {
+        let (code, reason) = client.close_reason().await;
+        assert_eq!((code, reason.as_str()), (1001, "Sluice is shutting down"));
+    }
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some(status) = host.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "still running:\n{}", host.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "exit {status}:\n{}", host.log_text());
+    assert!(host.log_text().contains("stopped"), "{}", host.log_text());
 }

@@ -175,6 +175,10 @@ struct RunArgs {
     /// The private key (PEM) of --tls-cert.
     #[arg(long, env = "SLUICE_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Seconds a graceful shutdown (SIGTERM, SIGINT) may take before Sluice
+    /// exits anyway.
+    #[arg(long, default_value_t = 30, env = "SLUICE_SHUTDOWN_TIMEOUT_SECS")]
+    shutdown_timeout_secs: u64,
     /// Seconds the source may back off before `GET /readyz` answers 503.
     #[arg(long, default_value_t = 30, env = "SLUICE_READY_BACKOFF_SECS")]
     ready_backoff_secs: u64,
@@ -487,11 +491,25 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         where_
     );
     tokio::select! {
-        result = service.finished() => result,
-        _ = wait_for_signal() => {
-            tracing::info!("shutting down");
-            service.stop().await
+        result = service.finished() => return result,
+        _ = wait_for_signal() => {}
+    }
+    // Graceful: stop accepting, close every subscriber with 1001, let the
+    // storer finish and ack upstream what is durable. A second signal, or
+    // the bound, ends it at once.
+    let bound = Duration::from_secs(args.shutdown_timeout_secs);
+    tracing::info!("shutting down (within {} s; a second signal exits at once)", bound.as_secs());
+    tokio::spawn(async {
+        wait_for_signal().await;
+        eprintln!("error: a second signal: exiting without waiting for the shutdown");
+        std::process::exit(130);
+    });
+    match tokio::time::timeout(bound, service.stop()).await {
+        Ok(result) => {
+            tracing::info!("stopped");
+            result
         }
+        Err(_) => anyhow::bail!("the shutdown did not finish within {} s (--shutdown-timeout-secs)", bound.as_secs()),
     }
 }
 

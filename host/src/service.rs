@@ -136,6 +136,7 @@ impl Service {
             zero_permissions: config.zero_permissions.map(Arc::new),
             access: config.access,
             ready_backoff: config.ready_backoff,
+            shutdown: stop_rx.clone(),
         };
         // zero-cache dials a discovered address as ws:// unless it names a scheme.
         let scheme = if config.endpoint_tls.is_some() { "wss://" } else { "" };

@@ -515,6 +515,7 @@ pub async fn serve_hub(hub: Arc<sluice::hub::Hub>, status: Arc<Status>) -> Serve
         zero_permissions: None,
         access: sluice::server::access::Access::open(),
         ready_backoff: Duration::from_secs(30),
+        shutdown: stop_rx.clone(),
     };
     let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
     tokio::spawn(serve);

@@ -180,7 +180,7 @@ async fn serve(socket: WebSocket, ctx: SubscriberContext, app: AppState) {
         "subscriber connected"
     );
     app.hub.subscribe(sub.clone(), &ctx.replica_version);
-    let reason = pump(socket, &sub, conn, app.ping_interval, filter).await;
+    let reason = pump(socket, &sub, conn, app.ping_interval, filter, app.shutdown.clone()).await;
     app.hub.unsubscribe(&sub);
     tracing::info!(subscriber = %ctx.id, acked = %sub.acked(), "subscriber disconnected: {reason}");
 }
@@ -192,8 +192,11 @@ async fn pump(
     mut conn: Connection,
     ping_every: Duration,
     filter: Option<Arc<FilterGroup>>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> String {
     let (mut tx, mut rx) = socket.split();
+    let stopping = super::stopping(shutdown);
+    tokio::pin!(stopping);
     let mut outbox = Outbox::default();
     let mut alive = true;
     let mut filter_failed = false;
@@ -318,6 +321,10 @@ async fn pump(
                 if let Err(e) = ping_peer(&mut alive, &mut tx).await {
                     return e;
                 }
+            }
+            _ = &mut stopping => {
+                let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(super::going_away())).await;
+                return "Sluice is shutting down".into();
             }
         }
     }

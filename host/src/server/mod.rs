@@ -38,6 +38,22 @@ pub struct AppState {
     pub access: Arc<access::Access>,
     /// How long the source may back off before `/readyz` says not ready.
     pub ready_backoff: std::time::Duration,
+    /// Becomes true when the service stops: every stream connection is
+    /// closed with 1001 (going away).
+    pub shutdown: watch::Receiver<bool>,
+}
+
+/// The close frame every stream connection gets when Sluice shuts down.
+pub fn going_away() -> axum::extract::ws::Message {
+    axum::extract::ws::Message::Close(Some(axum::extract::ws::CloseFrame {
+        code: 1001,
+        reason: "Sluice is shutting down".into(),
+    }))
+}
+
+/// Resolves once the service is stopping (or its stop signal is gone).
+pub async fn stopping(mut shutdown: watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
 /// The routes. The health checks stay open; everything else needs the

@@ -135,7 +135,7 @@ async fn serve(socket: WebSocket, request: StreamRequest, app: AppState) {
     let (sub, conn) =
         Subscriber::new(consumer.clone(), consumer.clone(), Mode::Serving, MAX_PROTOCOL, start, app.subscriber_limits);
     app.hub.subscribe(sub.clone(), &lineage);
-    let reason = pump(tx, rx, &sub, conn, &reservation, app.ping_interval).await;
+    let reason = pump(tx, rx, &sub, conn, &reservation, app.ping_interval, app.shutdown.clone()).await;
     app.hub.unsubscribe(&sub);
     tracing::info!(%consumer, acked = %sub.acked(), "upstream consumer disconnected: {reason}");
 }
@@ -209,7 +209,10 @@ async fn pump(
     mut conn: Connection,
     reservation: &Reservation,
     ping_every: std::time::Duration,
+    shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> String {
+    let stopping = super::stopping(shutdown);
+    tokio::pin!(stopping);
     let mut alive = true;
     let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + ping_every, ping_every);
     loop {
@@ -274,6 +277,10 @@ async fn pump(
                 if let Err(e) = super::changes::ping_peer(&mut alive, &mut tx).await {
                     return e;
                 }
+            }
+            _ = &mut stopping => {
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(1), tx.send(super::going_away())).await;
+                return "Sluice is shutting down".into();
             }
         }
     }
