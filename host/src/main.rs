@@ -19,8 +19,20 @@ use sluice::storage::sqlite::{Durability, SqliteChangeLog, SqliteReader};
 use sluice::storer::StorerOptions;
 use sluice::streamer::StreamerOptions;
 
+/// `sluice --version`: the crate version, the git revision it was built
+/// from, and the plugin contract (WIT) version it loads.
+static VERSION: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let (major, minor) = sluice::plugin::WIT_VERSION;
+    format!(
+        "{} (git {}, plugin WIT {}@{major}.{minor})",
+        env!("CARGO_PKG_VERSION"),
+        env!("SLUICE_GIT_REV"),
+        sluice::plugin::WIT_PACKAGE
+    )
+});
+
 #[derive(Parser)]
-#[command(name = "sluice", version, about = "A pluggable change streamer that speaks Zero's change-streamer protocol")]
+#[command(name = "sluice", version = VERSION.as_str(), about = "A pluggable change streamer that speaks Zero's change-streamer protocol")]
 struct Cli {
     /// Log lines as `text` (for people) or `json` (one object per line, for
     /// a log collector).
