@@ -311,3 +311,58 @@ async fn sigterm_closes_subscribers_with_going_away_and_exits_zero() {
     assert!(status.success(), "exit {status}:\n{}", host.log_text());
     assert!(host.log_text().contains("stopped"), "{}", host.log_text());
 }
+
+/// `GET /metrics` (with the token) parses as Prometheus text: the stored
+/// counts grow, the subscriber and connection gauges count the one open
+/// subscription, the source state is `running`, and the commit histogram
+/// has observations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_as_prometheus_text() {
+    let host = Host::start();
+    let mut client = host.subscribe("", bearer()).await.unwrap();
+    client.take(20).await;
+    assert_eq!(get_status(&host.addr, "/metrics", None), 401);
+    let scrape = || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&host.addr).unwrap();
+        write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n").unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        let body = text.split_once("\r\n\r\n").unwrap().1.to_string();
+        prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("Prometheus text")
+    };
+    let value = |scrape: &prometheus_parse::Scrape, name: &str, label: Option<(&str, &str)>| -> f64 {
+        let sample = scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name && label.is_none_or(|(k, v)| s.labels.get(k) == Some(v)))
+            .unwrap_or_else(|| {
+                panic!("no {name} among {:?}", scrape.samples.iter().map(|s| &s.metric).collect::<Vec<_>>())
+            });
+        match &sample.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => *v,
+            other => panic!("{name}: {other:?}"),
+        }
+    };
+    let first = scrape();
+    assert!(value(&first, "sluice_transactions_stored_total", None) > 0.0);
+    assert_eq!(value(&first, "sluice_subscribers", None), 1.0);
+    assert_eq!(value(&first, "sluice_stream_connections", None), 1.0);
+    assert_eq!(value(&first, "sluice_source_state", Some(("state", "running"))), 1.0);
+    assert_eq!(value(&first, "sluice_source_state", Some(("state", "backing_off"))), 0.0);
+    let commits = first.samples.iter().find(|s| s.metric == "sluice_storage_commit_seconds").expect("the histogram");
+    match &commits.value {
+        prometheus_parse::Value::Histogram(buckets) => {
+            assert!(buckets.last().is_some_and(|b| b.count > 0.0), "{buckets:?}")
+        }
+        other => panic!("not a histogram: {other:?}"),
+    }
+    client.take(20).await;
+    let second = scrape();
+    assert!(
+        value(&second, "sluice_transactions_stored_total", None)
+            > value(&first, "sluice_transactions_stored_total", None)
+    );
+}

@@ -12,6 +12,7 @@ pub mod cleanup;
 pub mod filter;
 pub mod forwarder;
 pub mod hub;
+pub mod metrics;
 pub mod pgconn;
 pub mod plugin;
 pub mod reservations;

@@ -86,7 +86,6 @@ pub struct StageTimes {
     pub commit_ns: u64,
 }
 
-#[derive(Default)]
 pub struct Status {
     inner: Mutex<Snapshot>,
     source_ns: AtomicU64,
@@ -98,6 +97,26 @@ pub struct Status {
     /// When the source began backing off, this time (ms since the Unix
     /// epoch; 0: it is not backing off).
     backing_off_since_ms: AtomicU64,
+    /// Each storage commit's duration, for `/metrics`.
+    commit_seconds: prometheus_client::metrics::histogram::Histogram,
+}
+
+impl Default for Status {
+    fn default() -> Self {
+        Status {
+            inner: Mutex::default(),
+            source_ns: AtomicU64::default(),
+            loop_ns: AtomicU64::default(),
+            write_ns: AtomicU64::default(),
+            commit_ns: AtomicU64::default(),
+            source_message_ms: AtomicU64::default(),
+            backing_off_since_ms: AtomicU64::default(),
+            // 0.25 ms to about 8 s.
+            commit_seconds: prometheus_client::metrics::histogram::Histogram::new(
+                prometheus_client::metrics::histogram::exponential_buckets(0.00025, 2.0, 16),
+            ),
+        }
+    }
 }
 
 fn now_ms() -> u64 {
@@ -169,6 +188,11 @@ impl Status {
         s
     }
 
+    /// The histogram of storage commit durations.
+    pub fn commit_seconds(&self) -> &prometheus_client::metrics::histogram::Histogram {
+        &self.commit_seconds
+    }
+
     /// The source just sent something (or was opened).
     pub fn source_message(&self) {
         self.source_message_ms.store(now_ms(), Ordering::Relaxed);
@@ -176,7 +200,11 @@ impl Status {
 
     /// Adds the time since `since` to a stage.
     pub fn count(&self, stage: Stage, since: std::time::Instant) {
-        let ns = since.elapsed().as_nanos() as u64;
+        let elapsed = since.elapsed();
+        let ns = elapsed.as_nanos() as u64;
+        if let Stage::Commit = stage {
+            self.commit_seconds.observe(elapsed.as_secs_f64());
+        }
         let counter = match stage {
             Stage::Source => &self.source_ns,
             Stage::Loop => &self.loop_ns,

@@ -59,8 +59,10 @@ pub async fn stopping(mut shutdown: watch::Receiver<bool>) {
 /// The routes. The health checks stay open; everything else needs the
 /// token when one is set.
 pub fn router(state: AppState) -> Router {
+    let metrics = Arc::new(crate::metrics::Metrics::new(state.status.clone(), state.access.clone()));
     let guarded = Router::new()
         .route("/status", get(status_json))
+        .route("/metrics", get(move || metrics_text(metrics.clone())))
         .route("/replication/{version}/changes", get(changes::changes))
         .route("/replication/{version}/snapshot", get(changes::snapshot))
         .route("/changes/v0/stream", get(upstream::stream))
@@ -81,6 +83,17 @@ async fn ready(State(state): State<AppState>) -> axum::response::Response {
     match state.status.readiness(state.ready_backoff) {
         Ok(()) => "ready\n".into_response(),
         Err(reason) => (axum::http::StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")).into_response(),
+    }
+}
+
+async fn metrics_text(metrics: Arc<crate::metrics::Metrics>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match metrics.render() {
+        Ok(text) => {
+            ([(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
+                .into_response()
+        }
+        Err(_) => axum::http::StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     }
 }
 
