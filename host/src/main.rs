@@ -88,11 +88,12 @@ struct RunArgs {
     #[arg(long, env = "SLUICE_SOURCE")]
     source: String,
     /// The source's configuration: JSON text, or @FILE to read it from a file.
-    #[arg(long, default_value = "{}", env = "SLUICE_SOURCE_CONFIG")]
+    #[arg(long, default_value = "{}", env = "SLUICE_SOURCE_CONFIG", hide_env_values = true)]
     source_config: String,
     /// Where the change log lives: `sqlite:PATH` (default), a path, or a
-    /// `postgres://` URL (Zero's change DB schema).
-    #[arg(long, default_value = "sqlite:sluice-data/changelog.db", env = "SLUICE_CHANGE_DB")]
+    /// PostgreSQL connection string, URL or `key=value` (Zero's change DB
+    /// schema; libpq's sslmode, sslrootcert, sslcert, sslkey).
+    #[arg(long, default_value = "sqlite:sluice-data/changelog.db", env = "SLUICE_CHANGE_DB", hide_env_values = true)]
     change_db: String,
     /// Address for the HTTP/WebSocket endpoint.
     #[arg(long, default_value = "127.0.0.1:4849", env = "SLUICE_LISTEN")]
