@@ -503,7 +503,7 @@ async fn tls_front(pki: &common::pki::Pki, backend: String) -> String {
         .collect::<Result<Vec<_>, _>>()
         .unwrap();
     let key = rustls::pki_types::PrivateKeyDer::from_pem_file(pki.path("server.key")).unwrap();
-    let config = rustls::ServerConfig::builder_with_provider(sluice::pgconn::tls::crypto_provider())
+    let config = rustls::ServerConfig::builder_with_provider(sluice::tls::crypto_provider())
         .with_safe_default_protocol_versions()
         .unwrap()
         .with_no_client_auth()

@@ -202,7 +202,7 @@ async fn tls_subscribe(addr: &str, ca: &std::path::Path) -> Result<(Vec<String>,
     use rustls::pki_types::pem::PemObject;
     let mut roots = rustls::RootCertStore::empty();
     roots.add(rustls::pki_types::CertificateDer::from_pem_file(ca).unwrap()).unwrap();
-    let config = rustls::ClientConfig::builder_with_provider(sluice::pgconn::tls::crypto_provider())
+    let config = rustls::ClientConfig::builder_with_provider(sluice::tls::crypto_provider())
         .with_safe_default_protocol_versions()
         .unwrap()
         .with_root_certificates(roots)

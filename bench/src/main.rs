@@ -403,7 +403,7 @@ impl BenchTls {
         std::fs::write(&key_file, key.serialize_pem())?;
         let mut roots = rustls::RootCertStore::empty();
         roots.add(cert.der().clone())?;
-        let client = rustls::ClientConfig::builder_with_provider(sluice::pgconn::tls::crypto_provider())
+        let client = rustls::ClientConfig::builder_with_provider(sluice::tls::crypto_provider())
             .with_safe_default_protocol_versions()?
             .with_root_certificates(roots)
             .with_no_client_auth();

@@ -26,4 +26,5 @@ pub mod storer;
 pub mod streamer;
 pub mod subscriber;
 pub mod tail;
+pub mod tls;
 pub mod watermark;

@@ -78,15 +78,6 @@ impl fmt::Display for SslMode {
     }
 }
 
-/// rustls's ring provider. rustls 0.23.48 marks it deprecated because it lacks
-/// the post-quantum key exchange aws-lc-rs has; ring is kept because it
-/// builds without cmake and quickly on small machines. The classical suites
-/// it offers are those PostgreSQL servers negotiate today.
-#[allow(deprecated)]
-pub fn crypto_provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
-}
-
 /// How one target's connections use TLS; the rustls configuration is built
 /// once, when the connection string is read, so a missing CA file is an
 /// error at start rather than at the first connection.
@@ -126,7 +117,7 @@ impl TlsSettings {
             SslMode::Require if root_cert.is_some() => Check::Chain,
             _ => Check::Nothing,
         };
-        let provider = crypto_provider();
+        let provider = crate::tls::crypto_provider();
         let builder = ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
             .map_err(|e| format!("TLS set-up: {e}"))?;
@@ -145,9 +136,7 @@ impl TlsSettings {
         };
         let client = match (client_cert, client_key) {
             (Some(cert), Some(key)) => {
-                let chain = CertificateDer::pem_file_iter(&cert)
-                    .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-                    .map_err(|e| format!("sslcert={}: {e}", cert.display()))?;
+                let chain = crate::tls::read_certs(&cert).map_err(|e| format!("sslcert={}: {e}", cert.display()))?;
                 let key = PrivateKeyDer::from_pem_file(&key).map_err(|e| format!("sslkey={}: {e}", key.display()))?;
                 builder.with_client_auth_cert(chain, key).map_err(|e| format!("sslcert/sslkey: {e}"))?
             }
@@ -201,9 +190,7 @@ fn load_roots(root_cert: Option<&str>, mode: SslMode) -> Result<RootCertStore, S
                 )
             })?,
     };
-    let certs = CertificateDer::pem_file_iter(&path)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| format!("sslrootcert={}: {e}", path.display()))?;
+    let certs = crate::tls::read_certs(&path).map_err(|e| format!("sslrootcert={}: {e}", path.display()))?;
     let (added, _) = roots.add_parsable_certificates(certs);
     if added == 0 {
         return Err(format!("sslrootcert={}: no certificate in the file", path.display()));

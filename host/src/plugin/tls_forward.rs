@@ -22,9 +22,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::pki_types::ServerName;
 use tokio::net::{TcpListener, TcpStream};
+
+use crate::pgconn::tls::SslMode;
 
 /// The upstream behind a TLS URL in a plugin config, if there is one.
 struct TlsUpstream {
@@ -79,29 +80,13 @@ pub async fn prepare(config: &str) -> anyhow::Result<String> {
     Ok(serde_json::Value::Object(map).to_string())
 }
 
+/// The check `verify-full` makes for PostgreSQL: the chain against
+/// `tls_ca` (or the system's CAs) and the name.
 fn client_config(ca: Option<&PathBuf>) -> anyhow::Result<Arc<rustls::ClientConfig>> {
-    let mut roots = rustls::RootCertStore::empty();
-    match ca {
-        Some(file) => {
-            let certs = CertificateDer::pem_file_iter(file)
-                .and_then(|c| c.collect::<Result<Vec<_>, _>>())
-                .with_context(|| format!("source config: tls_ca {}", file.display()))?;
-            roots.add_parsable_certificates(certs);
-        }
-        None => {
-            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
-        }
-    }
-    anyhow::ensure!(
-        !roots.is_empty(),
-        "no CA certificates to check the source's TLS upstream with: set `tls_ca` in the source config, or install \
-         the system's CA certificates"
-    );
-    let config = rustls::ClientConfig::builder_with_provider(crate::pgconn::tls::crypto_provider())
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(Arc::new(config))
+    let roots = ca.map(|f| f.display().to_string()).unwrap_or_else(|| "system".into());
+    let settings = crate::pgconn::tls::TlsSettings::new(Some(SslMode::VerifyFull), Some(roots), None, None)
+        .map_err(|e| anyhow::anyhow!("the CA for the source's TLS upstream (`tls_ca`): {e}"))?;
+    Ok(settings.client_config())
 }
 
 async fn forward(listener: TcpListener, upstream: TlsUpstream, client: Arc<rustls::ClientConfig>) {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::PrivateKeyDer;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use tokio::net::{TcpListener, TcpStream};
@@ -42,12 +42,10 @@ impl ResolvesServerCert for CertFiles {
 }
 
 fn load(cert: &Path, key: &Path) -> anyhow::Result<Arc<CertifiedKey>> {
-    let chain = CertificateDer::pem_file_iter(cert)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .with_context(|| format!("--tls-cert {}", cert.display()))?;
+    let chain = crate::tls::read_certs(cert).with_context(|| format!("--tls-cert {}", cert.display()))?;
     anyhow::ensure!(!chain.is_empty(), "--tls-cert {}: no certificate in the file", cert.display());
     let private = PrivateKeyDer::from_pem_file(key).with_context(|| format!("--tls-key {}", key.display()))?;
-    let certified = CertifiedKey::from_der(chain, private, &crate::pgconn::tls::crypto_provider())
+    let certified = CertifiedKey::from_der(chain, private, &crate::tls::crypto_provider())
         .with_context(|| format!("--tls-cert {} with --tls-key {}", cert.display(), key.display()))?;
     Ok(Arc::new(certified))
 }
@@ -59,7 +57,7 @@ impl EndpointTls {
             key: key.to_path_buf(),
             current: RwLock::new(load(cert, key)?),
         });
-        let mut config = rustls::ServerConfig::builder_with_provider(crate::pgconn::tls::crypto_provider())
+        let mut config = rustls::ServerConfig::builder_with_provider(crate::tls::crypto_provider())
             .with_safe_default_protocol_versions()
             .context("TLS set-up")?
             .with_no_client_auth()

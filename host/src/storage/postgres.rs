@@ -59,8 +59,13 @@ impl PgSettings {
         config.application_name(&self.application_name);
         config.connect_timeout(Duration::from_secs(10));
         let client = pgconn::connect(&self.target, &config).await.map_err(|e| {
-            let line = pgconn::explain(pgconn::error_text(&e), &self.target);
-            anyhow::Error::new(e).context(format!("connecting to the change DB {}: {line}", self.target.describe()))
+            // The error itself follows in the chain; the context adds what to change.
+            let what = format!("connecting to the change DB {}", self.target.describe());
+            let context = match pgconn::tls_hint(&pgconn::error_text(&e), &self.target) {
+                Some(hint) => format!("{what} ({hint})"),
+                None => what,
+            };
+            anyhow::Error::new(e).context(context)
         })?;
         client
             .batch_execute(&format!(
