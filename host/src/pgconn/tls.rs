@@ -377,16 +377,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send + 'static> TlsConnect<S> for Rustl
 
 pub struct RustlsStream<S>(tokio_rustls::client::TlsStream<S>);
 
-impl<S> RustlsStream<S> {
-    fn peer_end_point(&self) -> Option<Vec<u8>> {
-        let (_, session) = self.0.get_ref();
-        session.peer_certificates()?.first().and_then(|c| end_point_hash(c))
-    }
+/// The channel binding data of an established TLS connection: the
+/// [`end_point_hash`] of the server's certificate.
+pub fn server_end_point<S>(stream: &tokio_rustls::client::TlsStream<S>) -> Option<Vec<u8>> {
+    let (_, session) = stream.get_ref();
+    session.peer_certificates()?.first().and_then(|c| end_point_hash(c))
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> TlsStream for RustlsStream<S> {
     fn channel_binding(&self) -> ChannelBinding {
-        match self.peer_end_point() {
+        match server_end_point(&self.0) {
             Some(hash) => ChannelBinding::tls_server_end_point(hash),
             None => ChannelBinding::none(),
         }

@@ -115,8 +115,7 @@ impl ReplConnection {
                     let tls = tls::handshake(target.tls.client_config(), host, s)
                         .await
                         .map_err(|e| WireError::Io(format!("error performing TLS handshake: {e}")))?;
-                    let (_, session) = tls.get_ref();
-                    binding = session.peer_certificates().and_then(|c| c.first()).and_then(|c| tls::end_point_hash(c));
+                    binding = tls::server_end_point(&tls);
                     Box::new(tls)
                 } else if target.tls.mode.requires_tls() {
                     return Err(WireError::Protocol(format!(
