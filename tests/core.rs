@@ -450,8 +450,8 @@ async fn bad_plugin_files_are_reported_and_the_rest_load() {
     std::fs::write(plugins.join("newer.wasm"), newer).unwrap();
     std::fs::write(plugins.join("ignored.txt"), b"not a plugin").unwrap();
 
-    let registry = Registry::load(&plugins, Some(dir.path().join("cache"))).await.unwrap();
-    let infos: Vec<_> = registry.infos().cloned().collect();
+    let registry = Arc::new(Registry::load(&plugins, Some(dir.path().join("cache"))).await.unwrap());
+    let infos: Vec<_> = registry.infos().collect();
     let by = |n: &str| infos.iter().find(|i| i.name == n).unwrap_or_else(|| panic!("{n} listed"));
     assert_eq!(infos.len(), 4, "only *.wasm files");
     assert_eq!(by("good").error, None);

@@ -43,7 +43,7 @@ async fn start_sluice_with_grant(config: String, grant: NetGrant) -> Restartable
     Restartable::start(dir, StreamerOptions::default(), source).await
 }
 
-async fn source(registry: &Registry, config: &str, grant: &NetGrant) -> Box<dyn ChangeSource> {
+async fn source(registry: &Arc<Registry>, config: &str, grant: &NetGrant) -> Box<dyn ChangeSource> {
     let source = registry.source("zero-custom-source", config.to_string(), SandboxLimits::default(), grant.clone());
     Box::new(source.await.unwrap())
 }

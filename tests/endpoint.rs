@@ -57,8 +57,11 @@ impl Host {
         let child = sluice()
             .args(["run", "--source", "mock-source", "--listen", &addr, "--config"])
             .arg(&config)
-            .arg("--plugins")
-            .arg(common::plugin_dir())
+            .args(if extra.iter().any(|a| a == "--plugins") {
+                vec![]
+            } else {
+                vec!["--plugins".into(), common::plugin_dir().display().to_string()]
+            })
             .arg("--change-db")
             .arg(format!("sqlite:{}", dir.path().join("log.db").display()))
             .args(extra)
@@ -189,6 +192,106 @@ async fn only_allowed_filters_are_served() {
     let mut served = host.subscribe(&filters("redact"), bearer()).await.unwrap();
     let first = served.take(3).await;
     assert!(first.iter().any(|m| m.starts_with("begin")), "{first:?}");
+}
+
+/// `GET path` with the token: the body as JSON.
+fn get_json(addr: &str, path: &str) -> serde_json::Value {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Bearer {TOKEN}\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    serde_json::from_str(text.split_once("\r\n\r\n").unwrap().1).unwrap()
+}
+
+/// The generation of plugin `name` as `GET /plugins` lists it (`None`: not listed).
+fn plugin_generation(host: &Host, name: &str) -> Option<u64> {
+    let list = get_json(&host.addr, "/plugins");
+    list["plugins"].as_array()?.iter().find(|p| p["name"] == name)?["generation"].as_u64()
+}
+
+/// Waits, up to `WAIT`, until `what` holds.
+fn wait_for(what: &str, host: &Host, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}; log:\n{}", host.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Filters dropped into, replaced in and removed from the plugin directory
+/// while Sluice runs and a subscriber streams through one of them; a
+/// half-copied file is refused and the loaded version stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filters_load_while_sluice_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = dir.path().join("plugins");
+    std::fs::create_dir(&plugins).unwrap();
+    std::fs::copy(common::plugin_dir().join("mock-source.wasm"), plugins.join("mock-source.wasm")).unwrap();
+    let plugins_arg: Vec<String> =
+        ["--plugins", &plugins.display().to_string(), "--max-connections", "0"].map(String::from).to_vec();
+    let host = Host::start_with(dir, &plugins_arg);
+    let redact = serde_json::json!([{"plugin": "redact", "config": {"drop": ["secret"]}}]).to_string();
+    let with_redact = format!("&filters={}", url_encode(&redact));
+    let (code, reason) = host.subscribe(&with_redact, bearer()).await.unwrap().close_reason().await;
+    assert_eq!(code, 1002);
+    assert!(reason.contains("unknown filter \"redact\""), "{reason}");
+
+    // Added: the watcher loads it, and the next subscription uses it.
+    let copy_in = |from: &str| {
+        let tmp = plugins.join(".redact.wasm.part");
+        std::fs::copy(common::plugin_dir().join(from), &tmp).unwrap();
+        std::fs::rename(&tmp, plugins.join("redact.wasm")).unwrap();
+    };
+    copy_in("redact.wasm");
+    wait_for("the watcher to load redact", &host, || plugin_generation(&host, "redact").is_some());
+    let first = plugin_generation(&host, "redact").unwrap();
+    let mut old = host.subscribe(&with_redact, bearer()).await.unwrap();
+    assert!(old.take(3).await.iter().any(|m| m.starts_with("begin")));
+
+    // Replaced by other code under the same name (table-filter, which
+    // refuses redact's configuration): new subscriptions get the new code,
+    // the open one keeps its instance.
+    copy_in("table-filter.wasm");
+    wait_for("the watcher to load the new redact", &host, || plugin_generation(&host, "redact") > Some(first));
+    let (code, reason) = host.subscribe(&with_redact, bearer()).await.unwrap().close_reason().await;
+    assert_eq!(code, 1002);
+    assert!(reason.contains("rejected its configuration"), "the new code runs: {reason}");
+    assert_eq!(old.take(20).await.len(), 20, "the open subscription streams on");
+    // (A subscriber that stops reading holds back the others' live stream.)
+    drop(old);
+    let second = plugin_generation(&host, "redact").unwrap();
+    let tables = serde_json::json!([{"plugin": "redact", "config": {"exclude": ["nothing.here"]}}]).to_string();
+    let with_tables = format!("&filters={}", url_encode(&tables));
+
+    // Half a file (a copy in progress): refused in one line, the loaded
+    // code keeps serving, and it is not tried again until it changes.
+    let whole = std::fs::read(common::plugin_dir().join("redact.wasm")).unwrap();
+    std::fs::write(plugins.join("redact.wasm"), &whole[..whole.len() / 2]).unwrap();
+    let refused = |host: &Host| host.log_text().lines().filter(|l| l.contains("the new file is refused")).count();
+    wait_for("the half file to be refused", &host, || refused(&host) == 1);
+    assert_eq!(plugin_generation(&host, "redact"), Some(second));
+    let mut served = host.subscribe(&with_tables, bearer()).await.unwrap();
+    assert!(served.take(3).await.iter().any(|m| m.starts_with("begin")), "generation {second} still serves");
+    drop(served);
+    let reload = sluice()
+        .args(["reload", "--url", &format!("http://{}", host.addr)])
+        .env("SLUICE_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    assert!(reload.status.success(), "{}", String::from_utf8_lossy(&reload.stderr));
+    assert_eq!(String::from_utf8_lossy(&reload.stdout).trim(), "unchanged");
+    assert_eq!(refused(&host), 1, "a refused file is not tried again until it changes");
+    let unauthorized = sluice().args(["reload", "--url", &format!("http://{}", host.addr)]).output().unwrap();
+    assert!(!unauthorized.status.success());
+    assert!(String::from_utf8_lossy(&unauthorized.stderr).contains("401"));
+
+    // Removed: new subscriptions are refused.
+    std::fs::remove_file(plugins.join("redact.wasm")).unwrap();
+    wait_for("the watcher to drop redact", &host, || plugin_generation(&host, "redact").is_none());
+    let (code, reason) = host.subscribe(&with_tables, bearer()).await.unwrap().close_reason().await;
+    assert_eq!(code, 1002);
+    assert!(reason.contains("unknown filter \"redact\""), "{reason}");
 }
 
 fn url_encode(s: &str) -> String {

@@ -40,7 +40,7 @@ async fn start_sluice(config: Value) -> Restartable {
 
 /// An instance of the mariadb-source plugin, allowed to reach the server
 /// its configuration names.
-async fn source(registry: &Registry, config: &str) -> Box<dyn ChangeSource> {
+async fn source(registry: &Arc<Registry>, config: &str) -> Box<dyn ChangeSource> {
     let grant = sluice::plugin::net::resolve(&sluice::plugin::net::config_endpoints(config).unwrap()).unwrap();
     Box::new(registry.source("mariadb-source", config.to_string(), SandboxLimits::default(), grant).await.unwrap())
 }
@@ -395,7 +395,7 @@ async fn a_purged_binlog_requires_a_reset_with_the_reason() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn set_up_errors_are_clear() {
     init_logs();
-    let registry = Registry::load(&plugin_dir(), None).await.unwrap();
+    let registry = Arc::new(Registry::load(&plugin_dir(), None).await.unwrap());
     let open = |config: Value| {
         let registry = &registry;
         async move {

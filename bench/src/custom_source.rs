@@ -12,7 +12,7 @@ use sluice::storage::sqlite::{Durability, SqliteChangeLog};
 
 use custom_upstream::{Tx, Upstream};
 
-pub async fn run(registry: &Registry, tmp: &Path) -> anyhow::Result<()> {
+pub async fn run(registry: &std::sync::Arc<Registry>, tmp: &Path) -> anyhow::Result<()> {
     for (rows, row_bytes) in [(1u32, 100usize), (10, 100), (100, 100), (10, 1024)] {
         let changes: u64 = if row_bytes > 512 { 100_000 } else { 200_000 };
         let txs = (changes / rows as u64).max(1);
@@ -51,7 +51,13 @@ fn watermark(t: u64) -> String {
     format!("1{t:09}")
 }
 
-async fn one(registry: &Registry, tmp: &Path, txs: u64, rows: u32, row_bytes: usize) -> anyhow::Result<()> {
+async fn one(
+    registry: &std::sync::Arc<Registry>,
+    tmp: &Path,
+    txs: u64,
+    rows: u32,
+    row_bytes: usize,
+) -> anyhow::Result<()> {
     let (snapshot, history) = history(txs, rows, row_bytes);
     let up = Upstream::start(snapshot).await;
     for tx in history {

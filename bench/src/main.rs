@@ -29,7 +29,7 @@ fn plugin_dir() -> PathBuf {
 async fn main() -> anyhow::Result<()> {
     let tmp = std::env::temp_dir().join(format!("sluice-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
-    let registry = Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?;
+    let registry = std::sync::Arc::new(Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?);
     // `sluice-bench [boundary|store|custom|postgres|pgsource|tls|zero|mariadb|fanout|filters|filter-cost|catchup ...]`: all by default.
     let only: Vec<String> = std::env::args().skip(1).collect();
     let run = |section: &str| only.is_empty() || only.iter().any(|o| o == section);
@@ -162,7 +162,7 @@ async fn main() -> anyhow::Result<()> {
 /// The cost of TLS to PostgreSQL: the same runs with `sslmode=disable` and
 /// `sslmode=require` against one server that offers both (`make bench`
 /// starts it with SLUICE_TEST_PG_SSL=1).
-async fn tls_cost(registry: &Registry, tmp: &Path, url: &str) -> anyhow::Result<()> {
+async fn tls_cost(registry: &std::sync::Arc<Registry>, tmp: &Path, url: &str) -> anyhow::Result<()> {
     let probe = sluice::pgconn::PgTarget::parse(&format!("{url}?sslmode=require")).map_err(anyhow::Error::msg)?;
     if sluice::pgconn::connect(&probe, &probe.config).await.is_err() {
         println!("\n(the Postgres server offers no TLS: TLS figures skipped; `make bench` starts one that does)");
@@ -512,7 +512,7 @@ async fn fanout_over(
 }
 
 async fn catchup(
-    registry: &Registry,
+    registry: &std::sync::Arc<Registry>,
     label: &str,
     log: Box<dyn sluice::storage::ChangeLog>,
     reader: Arc<dyn sluice::storage::LogReader>,
@@ -558,7 +558,7 @@ pub async fn store_until(
     Ok((service, started.elapsed().as_secs_f64()))
 }
 
-async fn boundary(registry: &Registry, row_bytes: usize) -> anyhow::Result<()> {
+async fn boundary(registry: &std::sync::Arc<Registry>, row_bytes: usize) -> anyhow::Result<()> {
     let config = serde_json::json!({"rows_per_tx": 100, "row_bytes": row_bytes}).to_string();
     let mut source = registry
         .source("mock-source", config, SandboxLimits::default(), NetGrant::default())
@@ -588,7 +588,7 @@ async fn boundary(registry: &Registry, row_bytes: usize) -> anyhow::Result<()> {
 }
 
 async fn store(
-    registry: &Registry,
+    registry: &std::sync::Arc<Registry>,
     tmp: &Path,
     rows: u32,
     row_bytes: usize,
@@ -600,7 +600,7 @@ async fn store(
 }
 
 async fn store_with(
-    registry: &Registry,
+    registry: &std::sync::Arc<Registry>,
     tmp: &Path,
     txs: u64,
     rows: u32,
@@ -653,7 +653,7 @@ fn pg_settings(url: &str, app_id: &str) -> sluice::storage::postgres::PgSettings
 }
 
 async fn store_pg(
-    registry: &Registry,
+    registry: &std::sync::Arc<Registry>,
     tmp: &Path,
     url: &str,
     rows: u32,

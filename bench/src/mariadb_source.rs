@@ -74,7 +74,11 @@ async fn wait_for<F: Fn() -> bool>(what: &str, check: F) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn run(registry: &Registry, addr_and_socket: (String, String), tmp: &std::path::Path) -> anyhow::Result<()> {
+pub async fn run(
+    registry: &std::sync::Arc<Registry>,
+    addr_and_socket: (String, String),
+    tmp: &std::path::Path,
+) -> anyhow::Result<()> {
     let (server, socket) = addr_and_socket;
     let (host, port) = server.rsplit_once(':').ok_or_else(|| anyhow::anyhow!("SLUICE_TEST_MARIADB is HOST:PORT"))?;
     sql(

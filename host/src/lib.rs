@@ -6,6 +6,7 @@
 //! `filter` chain). Plugins sit at the edge in `plugin`. `service` assembles
 //! them into a running change streamer.
 
+pub mod admin;
 pub mod catchup;
 pub mod change;
 pub mod cleanup;

@@ -67,6 +67,9 @@ enum Command {
         #[arg(long = "filter")]
         filters: Vec<String>,
     },
+    /// Make a running Sluice rescan its plugin directory now (as SIGHUP
+    /// does), and print what changed.
+    Reload(EndpointArgs),
     /// List the plugins in a directory and whether they load.
     Plugins {
         /// Default: as for `run`.
@@ -75,6 +78,53 @@ enum Command {
         #[arg(long)]
         cache_dir: Option<PathBuf>,
     },
+}
+
+/// How an admin command reaches a running Sluice.
+#[derive(clap::Args)]
+struct EndpointArgs {
+    /// The endpoint: `http://HOST:PORT`, or `https://HOST:PORT` when it
+    /// serves TLS.
+    #[arg(long, default_value = "http://127.0.0.1:4849", env = "SLUICE_URL")]
+    url: String,
+    /// The endpoint's token, if it has one.
+    #[arg(long, env = "SLUICE_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// A file holding the token (its first line).
+    #[arg(long, env = "SLUICE_TOKEN_FILE", conflicts_with = "token")]
+    token_file: Option<PathBuf>,
+    /// The CA certificate (PEM) of an `https` endpoint (default: the system's roots).
+    #[arg(long)]
+    ca: Option<PathBuf>,
+}
+
+impl EndpointArgs {
+    fn endpoint(&self) -> anyhow::Result<sluice::admin::http::Endpoint> {
+        Ok(sluice::admin::http::Endpoint {
+            url: self.url.clone(),
+            token: read_token(&self.token, &self.token_file)?,
+            ca: self.ca.clone(),
+        })
+    }
+}
+
+/// The token from `--token` or the first line of `--token-file`.
+fn read_token(token: &Option<String>, file: &Option<PathBuf>) -> anyhow::Result<Option<String>> {
+    let token = match (token, file) {
+        (Some(t), _) => Some(t.clone()),
+        (None, Some(file)) => Some(
+            std::fs::read_to_string(file)
+                .with_context(|| format!("reading --token-file {}", file.display()))?
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+        ),
+        (None, None) => None,
+    };
+    anyhow::ensure!(token.as_ref().is_none_or(|t| !t.is_empty()), "the token is empty (--token / --token-file)");
+    Ok(token)
 }
 
 #[derive(clap::Args)]
@@ -217,6 +267,11 @@ struct RunArgs {
     /// filter in the plugin directory).
     #[arg(long = "allow-filter", env = "SLUICE_ALLOW_FILTER", value_delimiter = ',')]
     allow_filter: Option<Vec<String>>,
+    /// The plugin directory is watched for files added, replaced or
+    /// removed; it is also rescanned every N seconds, for filesystems
+    /// whose changes are not reported (0: only when watched or on SIGHUP).
+    #[arg(long, default_value_t = 30, env = "SLUICE_PLUGIN_RESCAN_SECS")]
+    plugin_rescan_secs: u64,
 }
 
 fn main() -> ExitCode {
@@ -250,6 +305,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => run(*args).await,
+            Command::Reload(endpoint) => reload(endpoint).await,
             Command::Plugins { plugins, cache_dir } => {
                 list_plugins(plugins.unwrap_or_else(default_plugin_dir), cache_dir).await
             }
@@ -387,9 +443,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         None => unreachable!("plugin sources load the registry"),
     };
-    // The source is ready; compile the other plugins beside replication.
+    // The source is ready; compile the other plugins beside replication,
+    // and pick up files dropped in while Sluice runs.
     if let Some(registry) = &registry {
         registry.warm_up();
+        let every = (args.plugin_rescan_secs > 0).then(|| Duration::from_secs(args.plugin_rescan_secs));
+        sluice::plugin::watch::spawn(registry.clone(), every);
     }
     let filter_limits = SandboxLimits {
         call_deadline: Duration::from_millis(args.filter_deadline_ms),
@@ -397,20 +456,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let filters =
         sluice::plugin::FilterPlugins::host_allowing(registry.clone(), filter_limits, args.allow_filter.clone());
-    let token = match (&args.token, &args.token_file) {
-        (Some(t), _) => Some(t.clone()),
-        (None, Some(file)) => Some(
-            std::fs::read_to_string(file)
-                .with_context(|| format!("reading --token-file {}", file.display()))?
-                .lines()
-                .next()
-                .unwrap_or_default()
-                .trim()
-                .to_string(),
-        ),
-        (None, None) => None,
-    };
-    anyhow::ensure!(token.as_ref().is_none_or(|t| !t.is_empty()), "the token is empty (--token / --token-file)");
+    let token = read_token(&args.token, &args.token_file)?;
     let access = sluice::server::access::Access::new(sluice::server::access::AccessOptions {
         token,
         max_connections: args.max_connections,
@@ -420,9 +466,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         (Some(cert), Some(key)) => Some(sluice::server::tls::EndpointTls::load(cert, key)?),
         _ => None,
     };
-    if let Some(tls) = &endpoint_tls {
-        tokio::spawn(reload_on_hangup(tls.clone()));
-    }
+    tokio::spawn(reload_on_hangup(endpoint_tls.clone(), registry.clone()));
     if let Some(advertise) = &args.advertise {
         if let Ok(addr) = advertise.parse::<std::net::SocketAddr>() {
             anyhow::ensure!(
@@ -494,6 +538,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         access,
         endpoint_tls: endpoint_tls.clone(),
         ready_backoff: Duration::from_secs(args.ready_backoff_secs),
+        plugins: registry.clone(),
         ..ServiceConfig::new(source, log, reader)
     };
     let mut service = Service::start(config).await?;
@@ -526,24 +571,61 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
 }
 
-/// SIGHUP: read the endpoint's certificate and key again.
-async fn reload_on_hangup(tls: Arc<sluice::server::tls::EndpointTls>) {
+/// SIGHUP: read the endpoint's certificate and key again, and rescan the
+/// plugin directory.
+async fn reload_on_hangup(tls: Option<Arc<sluice::server::tls::EndpointTls>>, plugins: Option<Arc<Registry>>) {
     #[cfg(unix)]
     {
         let Ok(mut hangup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
             return;
         };
         while hangup.recv().await.is_some() {
-            match tls.reload() {
-                Ok(()) => tracing::info!("SIGHUP: reloaded the endpoint's TLS certificate"),
-                Err(e) => tracing::error!(
-                    "SIGHUP: the endpoint's TLS certificate was not reloaded ({e:#}); the old one stays"
-                ),
+            if let Some(tls) = &tls {
+                match tls.reload() {
+                    Ok(()) => tracing::info!("SIGHUP: reloaded the endpoint's TLS certificate"),
+                    Err(e) => tracing::error!(
+                        "SIGHUP: the endpoint's TLS certificate was not reloaded ({e:#}); the old one stays"
+                    ),
+                }
+            }
+            if let Some(plugins) = &plugins {
+                match plugins.rescan().await {
+                    Ok(report) if !report.changed() && report.refused.is_empty() => {
+                        tracing::info!("SIGHUP: the plugin directory is unchanged")
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::error!("SIGHUP: plugin directory: {e:#}"),
+                }
             }
         }
     }
     #[cfg(not(unix))]
-    let _ = tls;
+    let _ = (tls, plugins);
+}
+
+/// `sluice reload`: `POST /plugins/reload`, and what it changed.
+async fn reload(args: EndpointArgs) -> anyhow::Result<()> {
+    let answer = args.endpoint()?.request("POST", "/plugins/reload").await?;
+    anyhow::ensure!(answer.status == 200, "{} answered {}: {}", args.url, answer.status, answer.body.trim());
+    let report: serde_json::Value = serde_json::from_str(&answer.body).context("parsing the answer")?;
+    let names = |key: &str| -> Vec<String> {
+        report[key].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(str::to_string)).collect()
+    };
+    let mut said = false;
+    for (key, what) in [("added", "added"), ("replaced", "replaced"), ("removed", "removed")] {
+        for name in names(key) {
+            println!("{what:<9} {name}");
+            said = true;
+        }
+    }
+    for refused in report["refused"].as_array().into_iter().flatten() {
+        println!("refused   {}: {}", refused["name"].as_str().unwrap_or("?"), refused["error"].as_str().unwrap_or("?"));
+        said = true;
+    }
+    if !said {
+        println!("unchanged");
+    }
+    Ok(())
 }
 
 async fn wait_for_signal() {

@@ -62,6 +62,9 @@ pub struct ServiceConfig {
     pub endpoint_tls: Option<Arc<crate::server::tls::EndpointTls>>,
     /// How long the source may back off before `/readyz` says not ready.
     pub ready_backoff: Duration,
+    /// The plugin directory, listed at `/plugins` and rescanned by
+    /// `POST /plugins/reload`.
+    pub plugins: Option<Arc<crate::plugin::Registry>>,
 }
 
 impl ServiceConfig {
@@ -83,6 +86,7 @@ impl ServiceConfig {
             access: crate::server::access::Access::open(),
             endpoint_tls: None,
             ready_backoff: Duration::from_secs(30),
+            plugins: None,
             consumer_retention: crate::reservations::DEFAULT_RETENTION,
             log_progress: false,
         }
@@ -137,6 +141,7 @@ impl Service {
             access: config.access,
             ready_backoff: config.ready_backoff,
             shutdown: stop_rx.clone(),
+            plugins: config.plugins,
         };
         // zero-cache dials a discovered address as ws:// unless it names a scheme.
         let scheme = if config.endpoint_tls.is_some() { "wss://" } else { "" };

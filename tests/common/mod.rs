@@ -452,7 +452,7 @@ pub struct Harness {
 
 pub async fn start_mock(spec: &LogSpec, config: serde_json::Value, limits: SandboxLimits) -> Harness {
     let dir = spec.sqlite.parent().unwrap().to_path_buf();
-    let registry = Registry::load(&plugin_dir(), Some(dir.join("cache"))).await.unwrap();
+    let registry = Arc::new(Registry::load(&plugin_dir(), Some(dir.join("cache"))).await.unwrap());
     let source = registry.source("mock-source", config.to_string(), limits, NetGrant::default()).await.unwrap();
     start(spec, Box::new(source), StreamerOptions::default()).await
 }
@@ -516,6 +516,7 @@ pub async fn serve_hub(hub: Arc<sluice::hub::Hub>, status: Arc<Status>) -> Serve
         access: sluice::server::access::Access::open(),
         ready_backoff: Duration::from_secs(30),
         shutdown: stop_rx.clone(),
+        plugins: None,
     };
     let (addr, serve) = sluice::server::bind("127.0.0.1:0", sluice::server::router(app), stop_rx).await.unwrap();
     tokio::spawn(serve);

@@ -40,6 +40,13 @@ pub trait FilterFactory: Send + Sync {
     /// A filter `plugin` configured with `config` (a JSON text), or an error
     /// naming the plugin and the cause.
     async fn create(&self, plugin: &str, config: &str) -> Result<Box<dyn ChangeFilter>, String>;
+
+    /// Which version of `plugin` [`FilterFactory::create`] would use now
+    /// (plugins can be replaced while Sluice runs): a group is shared only
+    /// by subscriptions made with the same versions.
+    async fn generation(&self, _plugin: &str) -> Option<u64> {
+        None
+    }
 }
 
 /// One filter of a chain, as a subscriber asks for it.
@@ -495,7 +502,14 @@ impl FilterHost {
     /// The group for `specs`, shared with subscribers that asked for the same
     /// chain, or an error naming the plugin and the cause.
     pub async fn group(&self, specs: &[FilterSpec]) -> Result<Arc<FilterGroup>, String> {
-        let key = serde_json::to_string(specs).map_err(|e| e.to_string())?;
+        let mut key = serde_json::to_string(specs).map_err(|e| e.to_string())?;
+        if let Some(factory) = &self.factory {
+            for spec in specs {
+                if let Some(generation) = factory.generation(&spec.plugin).await {
+                    key.push_str(&format!(" {}@{generation}", spec.plugin));
+                }
+            }
+        }
         let mut groups = self.groups.lock().await;
         if let Some(g) = groups.get(&key).and_then(Weak::upgrade).filter(|g| !g.failed()) {
             return Ok(g);

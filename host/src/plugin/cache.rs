@@ -3,6 +3,9 @@
 //! Entries are keyed by a hash of the wasm bytes and the engine's
 //! compatibility hash (settings such as epoch interruption change the code),
 //! written as temp file + rename, and only ever files this host wrote.
+//!
+//! Plugins replaced while Sluice runs leave entries behind, so the cache
+//! keeps the [`MAX_ENTRIES`] most recently used and deletes the rest.
 
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
@@ -11,6 +14,10 @@ use anyhow::Context;
 use sha2::{Digest, Sha256};
 use wasmtime::component::Component;
 use wasmtime::Engine;
+
+/// Compiled plugins kept (a few MiB each): the bundled plugins and a few
+/// versions of each.
+pub const MAX_ENTRIES: usize = 32;
 
 #[derive(Clone)]
 pub struct CodeCache {
@@ -50,7 +57,14 @@ impl CodeCache {
                 // engine with the same compatibility hash (part of the file
                 // name), written by this host and renamed into place whole.
                 match unsafe { Component::deserialize_file(engine, path) } {
-                    Ok(c) => return Ok((c, true)),
+                    Ok(c) => {
+                        // Recently used: the last to be pruned.
+                        let _ = std::fs::File::options()
+                            .append(true)
+                            .open(path)
+                            .and_then(|f| f.set_modified(std::time::SystemTime::now()));
+                        return Ok((c, true));
+                    }
                     Err(e) => {
                         tracing::warn!(path = %path.display(), "ignoring unusable cache entry: {e}")
                     }
@@ -61,6 +75,9 @@ impl CodeCache {
         if let Some(path) = &entry {
             if let Err(e) = write_atomically(path, &compiled) {
                 tracing::warn!(path = %path.display(), "could not write the compiled-code cache: {e:#}");
+            }
+            if let Some(dir) = &self.dir {
+                prune(dir, MAX_ENTRIES);
             }
         }
         // SAFETY: `compiled` was just produced by this engine.
@@ -76,4 +93,26 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("renaming into {}", path.display()))?;
     Ok(())
+}
+
+/// Deletes all but the `keep` most recently used entries of `dir`.
+pub fn prune(dir: &Path, keep: usize) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut entries: Vec<(std::time::SystemTime, PathBuf)> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "cwasm"))
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    if entries.len() <= keep {
+        return;
+    }
+    entries.sort_by_key(|e| std::cmp::Reverse(e.0));
+    for (_, path) in &entries[keep..] {
+        match std::fs::remove_file(path) {
+            Ok(()) => tracing::debug!(path = %path.display(), "pruned from the compiled-code cache"),
+            Err(e) => tracing::warn!(path = %path.display(), "cannot prune the compiled-code cache: {e}"),
+        }
+    }
 }

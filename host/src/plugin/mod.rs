@@ -11,8 +11,9 @@ mod sandbox;
 pub mod tls_forward;
 mod wasm_filter;
 mod wasm_source;
+pub mod watch;
 
-pub use registry::{PluginInfo, PluginKind, Registry};
+pub use registry::{PluginInfo, PluginKind, Refused, Registry, Rescan};
 pub use sandbox::{describe_failure, new_store, HostState, NetGrant, SandboxLimits};
 pub use wasm_filter::{FilterPlugins, WasmFilter};
 pub use wasm_source::WasmSource;

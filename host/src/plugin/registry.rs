@@ -1,17 +1,28 @@
-//! Loading the plugin directory.
+//! Loading the plugin directory, and loading it again while Sluice runs.
 //!
 //! A running host compiles a plugin when it is first needed (the source at
 //! start, a filter when a subscriber first asks for it) and warms up the
 //! rest in the background, so a host restarting in a crash loop is
 //! replicating again after compiling (or loading from the cache) one plugin,
 //! not the whole directory. `sluice plugins` and tests load everything.
+//!
+//! [`Registry::rescan`] picks up files added, replaced or removed since (the
+//! directory watcher in `plugin::watch`, SIGHUP and `sluice reload` call it).
+//! A replacement takes effect only once it has loaded: a broken or
+//! half-copied file is refused with one line and the loaded version stays.
+//! Instances already made (a subscriber's filter, the running source's
+//! stream) keep their code; the next ones get the new code.
 
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::SystemTime;
 
 use anyhow::Context;
 use sluice_contract::filter_world::FilterPluginPre;
 use sluice_contract::source_world::SourcePluginPre;
+use tokio::sync::watch;
 use wasmtime::component::{Component, Linker};
 use wasmtime::Engine;
 
@@ -47,6 +58,35 @@ pub struct PluginInfo {
     pub error: Option<String>,
     /// Whether the compiled code came from the cache.
     pub cached: bool,
+    /// Which load of the directory's files this is: a replaced file gets a
+    /// higher number.
+    pub generation: u64,
+}
+
+/// What one [`Registry::rescan`] changed.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct Rescan {
+    /// New files, loaded (or failed: see `refused`).
+    pub added: Vec<String>,
+    /// Files whose new content loaded and replaced the old.
+    pub replaced: Vec<String>,
+    /// Files gone: new subscriptions cannot use them.
+    pub removed: Vec<String>,
+    /// Files that failed to load, with why. A replaced file that failed
+    /// leaves the old version in place.
+    pub refused: Vec<Refused>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Refused {
+    pub name: String,
+    pub error: String,
+}
+
+impl Rescan {
+    pub fn changed(&self) -> bool {
+        !(self.added.is_empty() && self.replaced.is_empty() && self.removed.is_empty())
+    }
 }
 
 struct Loaded {
@@ -61,17 +101,71 @@ enum Pre {
 }
 
 pub struct Registry {
+    dir: PathBuf,
     engine: Engine,
     linker: Linker<HostState>,
     cache: CodeCache,
-    slots: Vec<Slot>,
+    /// The directory's files by name, as last scanned.
+    slots: RwLock<BTreeMap<String, Arc<Slot>>>,
+    /// New versions that failed to load while an older one stays: not tried
+    /// again until the file changes again.
+    refused: Mutex<HashMap<String, FileStamp>>,
+    /// One rescan at a time.
+    rescanning: tokio::sync::Mutex<()>,
+    generations: AtomicU64,
+    /// Bumped whenever a rescan changed something.
+    changed: watch::Sender<u64>,
 }
 
-/// One `*.wasm` file, loaded at most once.
+/// Enough of a file's metadata to notice that it was written again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    len: u64,
+    modified: Option<SystemTime>,
+    inode: u64,
+}
+
+impl FileStamp {
+    fn of(meta: &std::fs::Metadata) -> Self {
+        #[cfg(unix)]
+        let inode = std::os::unix::fs::MetadataExt::ino(meta);
+        #[cfg(not(unix))]
+        let inode = 0;
+        FileStamp { len: meta.len(), modified: meta.modified().ok(), inode }
+    }
+}
+
+/// One version of one `*.wasm` file, loaded at most once.
 struct Slot {
     name: String,
     file: PathBuf,
+    stamp: Option<FileStamp>,
+    generation: u64,
     loaded: tokio::sync::OnceCell<Loaded>,
+}
+
+impl Slot {
+    /// Loaded, and without error.
+    fn usable(&self) -> bool {
+        self.loaded.get().is_some_and(|l| l.info.error.is_none())
+    }
+}
+
+/// The `*.wasm` files of `dir`: name, path and stamp.
+fn list_dir(dir: &Path) -> anyhow::Result<Vec<(String, PathBuf, Option<FileStamp>)>> {
+    let mut files: Vec<(String, PathBuf, Option<FileStamp>)> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading plugin directory {}", dir.display()))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "wasm"))
+        .map(|file| {
+            let name = file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let stamp = std::fs::metadata(&file).ok().map(|m| FileStamp::of(&m));
+            (name, file, stamp)
+        })
+        .collect();
+    files.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(files)
 }
 
 impl Registry {
@@ -82,22 +176,23 @@ impl Registry {
         let mut linker: Linker<HostState> = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(|e| anyhow::anyhow!("{e}"))?;
         let cache = CodeCache::new(cache_dir);
-
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .with_context(|| format!("reading plugin directory {}", dir.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "wasm"))
-            .collect();
-        files.sort();
-        let slots = files
+        let registry = Registry {
+            dir: dir.to_path_buf(),
+            engine,
+            linker,
+            cache,
+            slots: RwLock::new(BTreeMap::new()),
+            refused: Mutex::new(HashMap::new()),
+            rescanning: tokio::sync::Mutex::new(()),
+            generations: AtomicU64::new(0),
+            changed: watch::channel(0).0,
+        };
+        let slots = list_dir(dir)?
             .into_iter()
-            .map(|file| Slot {
-                name: file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default(),
-                file,
-                loaded: tokio::sync::OnceCell::new(),
-            })
+            .map(|(name, file, stamp)| (name.clone(), registry.new_slot(name, file, stamp)))
             .collect();
-        Ok(Registry { engine, linker, cache, slots })
+        *registry.slots.write().unwrap_or_else(|e| e.into_inner()) = slots;
+        Ok(registry)
     }
 
     /// Loads every `*.wasm` in `dir` now. A plugin that fails is recorded
@@ -108,8 +203,26 @@ impl Registry {
         Ok(registry)
     }
 
+    /// The directory this registry loads.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn new_slot(&self, name: String, file: PathBuf, stamp: Option<FileStamp>) -> Arc<Slot> {
+        let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
+        Arc::new(Slot { name, file, stamp, generation, loaded: tokio::sync::OnceCell::new() })
+    }
+
+    fn current(&self) -> BTreeMap<String, Arc<Slot>> {
+        self.slots.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn slot(&self, name: &str) -> Option<Arc<Slot>> {
+        self.slots.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned()
+    }
+
     async fn load_all(&self) {
-        for slot in &self.slots {
+        for slot in self.current().values() {
             self.get(slot).await;
         }
     }
@@ -121,58 +234,151 @@ impl Registry {
         tokio::spawn(async move { this.load_all().await });
     }
 
-    async fn get<'a>(&'a self, slot: &'a Slot) -> &'a Loaded {
+    /// Loads `slot` (once), logging a failure.
+    async fn get<'a>(&self, slot: &'a Slot) -> &'a Loaded {
         slot.loaded
             .get_or_init(|| async {
-                let mut info = PluginInfo {
-                    name: slot.name.clone(),
-                    file: slot.file.clone(),
-                    kind: None,
-                    wit_version: None,
-                    error: None,
-                    cached: false,
-                };
-                let pre = match load_one(&self.engine, &self.linker, &self.cache, &mut info).await {
-                    Ok(pre) => Some(pre),
-                    Err(e) => {
-                        // A compile cut short because Sluice is stopping is
-                        // not the plugin's fault; say nothing of it.
-                        if e != STOPPING {
-                            tracing::error!("plugin {} ({}): {e}", info.name, info.file.display());
-                        }
-                        info.error = Some(e);
-                        None
-                    }
-                };
-                if let Some(kind) = info.kind.filter(|_| info.error.is_none()) {
-                    tracing::info!(plugin = %info.name, %kind, cached = info.cached, "loaded plugin");
+                let loaded = self.load_slot(slot).await;
+                if let Some(e) = loaded.info.error.as_deref().filter(|e| *e != STOPPING) {
+                    // A compile cut short because Sluice is stopping is not
+                    // the plugin's fault; say nothing of it.
+                    tracing::error!("plugin {} ({}): {e}", slot.name, slot.file.display());
                 }
-                Loaded { info, pre }
+                loaded
             })
             .await
     }
 
+    async fn load_slot(&self, slot: &Slot) -> Loaded {
+        let mut info = PluginInfo {
+            name: slot.name.clone(),
+            file: slot.file.clone(),
+            kind: None,
+            wit_version: None,
+            error: None,
+            cached: false,
+            generation: slot.generation,
+        };
+        let pre = match load_one(&self.engine, &self.linker, &self.cache, &mut info).await {
+            Ok(pre) => Some(pre),
+            Err(e) => {
+                info.error = Some(e);
+                None
+            }
+        };
+        if let Some(kind) = info.kind.filter(|_| info.error.is_none()) {
+            tracing::info!(plugin = %info.name, %kind, cached = info.cached, generation = info.generation, "loaded plugin");
+        }
+        Loaded { info, pre }
+    }
+
+    /// Reads the directory again and applies what changed: new files load,
+    /// changed files replace the loaded version once they load, removed
+    /// files are forgotten. Only an unreadable directory is an error.
+    pub async fn rescan(&self) -> anyhow::Result<Rescan> {
+        let _one = self.rescanning.lock().await;
+        let files = list_dir(&self.dir)?;
+        let before = self.current();
+        let mut report = Rescan::default();
+        for (name, file, stamp) in &files {
+            let old = before.get(name);
+            if old.is_some_and(|s| s.stamp == *stamp) {
+                continue;
+            }
+            let refused_before = self.refused.lock().unwrap_or_else(|e| e.into_inner()).get(name) == stamp.as_ref();
+            if refused_before && stamp.is_some() {
+                continue;
+            }
+            let slot = self.new_slot(name.clone(), file.clone(), *stamp);
+            let loaded = slot.loaded.get_or_init(|| self.load_slot(&slot)).await;
+            if let Some(error) = &loaded.info.error {
+                report.refused.push(Refused { name: name.clone(), error: error.clone() });
+                if let Some(old) = old.filter(|old| old.usable()) {
+                    tracing::error!(
+                        "plugin {name} ({}): the new file is refused: {error}; generation {} keeps running",
+                        file.display(),
+                        old.generation
+                    );
+                    if let Some(stamp) = stamp {
+                        self.refused.lock().unwrap_or_else(|e| e.into_inner()).insert(name.clone(), *stamp);
+                    }
+                    continue;
+                }
+                tracing::error!("plugin {name} ({}): {error}", file.display());
+            } else if old.is_some() {
+                tracing::info!(
+                    plugin = %name,
+                    generation = slot.generation,
+                    "plugin replaced: new subscriptions (or the restarted source) use the new code"
+                );
+            } else {
+                tracing::info!(plugin = %name, generation = slot.generation, "plugin added");
+            }
+            if old.is_some() {
+                report.replaced.push(name.clone());
+            } else {
+                report.added.push(name.clone());
+            }
+            self.refused.lock().unwrap_or_else(|e| e.into_inner()).remove(name);
+            self.slots.write().unwrap_or_else(|e| e.into_inner()).insert(name.clone(), slot);
+        }
+        for name in before.keys().filter(|n| !files.iter().any(|(f, _, _)| f == *n)) {
+            tracing::info!(plugin = %name, "plugin removed: new subscriptions cannot use it");
+            self.slots.write().unwrap_or_else(|e| e.into_inner()).remove(name);
+            self.refused.lock().unwrap_or_else(|e| e.into_inner()).remove(name);
+            report.removed.push(name.clone());
+        }
+        if report.changed() {
+            self.changed.send_modify(|n| *n += 1);
+        }
+        Ok(report)
+    }
+
+    /// Rescans if the file of `name` is not the one loaded (added, changed
+    /// or removed since), so a subscription sees the directory as it is
+    /// now even before the watcher reports it. One `stat`.
+    async fn refresh(&self, name: &str) {
+        let path = self.dir.join(format!("{name}.wasm"));
+        let now = std::fs::metadata(&path).ok().map(|m| FileStamp::of(&m));
+        let loaded = self.slot(name).map(|s| s.stamp);
+        let refused = self.refused.lock().unwrap_or_else(|e| e.into_inner()).get(name).copied();
+        if loaded != Some(now) && (now.is_none() || refused != now) {
+            if let Err(e) = self.rescan().await {
+                tracing::warn!("plugin directory: {e:#}");
+            }
+        }
+    }
+
+    /// The generation of `name`'s file as it is now (after a rescan if it
+    /// changed), `None` if there is none.
+    pub async fn generation(&self, name: &str) -> Option<u64> {
+        self.refresh(name).await;
+        self.slot(name).map(|s| s.generation)
+    }
+
     /// The plugins loaded so far (all of them after [`Registry::load`]).
-    pub fn infos(&self) -> impl Iterator<Item = &PluginInfo> {
-        self.slots.iter().filter_map(|s| s.loaded.get()).map(|p| &p.info)
+    pub fn infos(&self) -> impl Iterator<Item = PluginInfo> {
+        self.current()
+            .into_values()
+            .filter_map(|s| s.loaded.get().map(|l| l.info.clone()))
+            .collect::<Vec<_>>()
+            .into_iter()
     }
 
     /// The loaded plugin called `name`, or why there is none usable.
-    async fn find(&self, name: &str, kind: PluginKind) -> Result<&Loaded, String> {
-        let slot = self.slots.iter().find(|s| s.name == name);
-        let Some(p) = (match slot {
-            Some(s) => Some(self.get(s).await),
-            None => None,
-        }) else {
+    async fn find(&self, name: &str, kind: PluginKind) -> Result<Arc<Slot>, String> {
+        self.refresh(name).await;
+        let Some(slot) = self.slot(name) else {
             // Name what is available, which takes knowing every plugin's kind.
             self.load_all().await;
-            let names: Vec<&str> =
-                self.infos().filter(|i| i.kind == Some(kind) && i.error.is_none()).map(|i| i.name.as_str()).collect();
+            let names: Vec<String> =
+                self.infos().filter(|i| i.kind == Some(kind) && i.error.is_none()).map(|i| i.name).collect();
             return Err(format!(
                 "unknown {kind} {name:?}: the plugin directory has no {name}.wasm ({kind}s available: {})",
                 if names.is_empty() { "none".to_string() } else { names.join(", ") }
             ));
         };
+        let p = self.get(&slot).await;
         if let Some(err) = &p.info.error {
             return Err(format!("{kind} plugin {name} failed to load: {err}"));
         }
@@ -180,28 +386,50 @@ impl Registry {
             let actual = p.info.kind.map(|k| k.to_string()).unwrap_or_default();
             return Err(format!("plugin {name} is a {actual}, not a {kind}"));
         }
-        Ok(p)
+        Ok(slot)
     }
 
-    /// A source backed by the plugin called `name`.
+    /// A source backed by the plugin called `name`. It reopens with the
+    /// plugin's new code when the file is replaced (see [`WasmSource`]).
     pub async fn source(
-        &self,
+        self: &Arc<Self>,
         name: &str,
         config: String,
         limits: SandboxLimits,
         net: NetGrant,
     ) -> Result<WasmSource, String> {
-        match &self.find(name, PluginKind::Source).await?.pre {
+        let slot = self.find(name, PluginKind::Source).await?;
+        match slot.loaded.get().and_then(|l| l.pre.as_ref()) {
             Some(Pre::Source(pre)) => {
-                Ok(WasmSource::new(self.engine.clone(), name.to_string(), pre.clone(), config, limits, net))
+                Ok(WasmSource::new(self.clone(), name.to_string(), (pre.clone(), slot.generation), config, limits, net))
             }
             _ => Err(format!("plugin {name} is not a source")),
         }
     }
 
+    /// The source plugin `name` as loaded now, with its generation, if it
+    /// loaded as a source.
+    pub(super) fn current_source(&self, name: &str) -> Option<(SourcePluginPre<HostState>, u64)> {
+        let slot = self.slot(name)?;
+        match slot.loaded.get()?.pre.as_ref()? {
+            Pre::Source(pre) => Some((pre.clone(), slot.generation)),
+            Pre::Filter(_) => None,
+        }
+    }
+
+    pub(super) fn engine_ref(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Tells when a rescan changed something.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
     /// The filter plugin called `name`, ready to instantiate.
     pub async fn filter(&self, name: &str) -> Result<(Engine, FilterPluginPre<HostState>), String> {
-        match &self.find(name, PluginKind::Filter).await?.pre {
+        let slot = self.find(name, PluginKind::Filter).await?;
+        match slot.loaded.get().and_then(|l| l.pre.as_ref()) {
             Some(Pre::Filter(pre)) => Ok((self.engine.clone(), pre.clone())),
             _ => Err(format!("plugin {name} is not a filter")),
         }

@@ -60,6 +60,10 @@ impl FilterFactory for FilterPlugins {
         let (engine, pre) = self.registry.filter(plugin).await?;
         Ok(Box::new(WasmFilter::create(&engine, &pre, plugin, config, self.limits).await?))
     }
+
+    async fn generation(&self, plugin: &str) -> Option<u64> {
+        self.registry.generation(plugin).await
+    }
 }
 
 pub struct WasmFilter {

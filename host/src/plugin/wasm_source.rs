@@ -1,19 +1,30 @@
 //! A change source backed by a WebAssembly plugin.
+//!
+//! When the plugin's file is replaced while Sluice runs, the source tells
+//! the replication loop (see [`ChangeSource::replacement`]), which ends the
+//! stream at a transaction boundary and opens it again from the durable
+//! watermark: the new code continues where the old one's durable work ends.
+
+use std::sync::Arc;
 
 use async_trait::async_trait;
+use futures::future::BoxFuture;
 use sluice_contract::source_world::exports::sluice::plugin::source::ResumePoint;
 use sluice_contract::source_world::{SourcePlugin, SourcePluginPre};
 use wasmtime::component::ResourceAny;
 use wasmtime::{Engine, Store};
 
 use super::sandbox::{self, HostState, NetGrant, SandboxLimits};
+use super::Registry;
 use crate::source::model::{Message, PluginError};
 use crate::source::{ChangeSource, ChangeStream, Resume, SourceError};
 
 pub struct WasmSource {
-    engine: Engine,
+    registry: Arc<Registry>,
     name: String,
     pre: SourcePluginPre<HostState>,
+    /// The registry's generation of `pre`.
+    generation: u64,
     config: String,
     limits: SandboxLimits,
     net: NetGrant,
@@ -21,14 +32,18 @@ pub struct WasmSource {
 
 impl WasmSource {
     pub(super) fn new(
-        engine: Engine,
+        registry: Arc<Registry>,
         name: String,
-        pre: SourcePluginPre<HostState>,
+        (pre, generation): (SourcePluginPre<HostState>, u64),
         config: String,
         limits: SandboxLimits,
         net: NetGrant,
     ) -> Self {
-        WasmSource { engine, name, pre, config, limits, net }
+        WasmSource { registry, name, pre, generation, config, limits, net }
+    }
+
+    fn engine(&self) -> &Engine {
+        self.registry.engine_ref()
     }
 }
 
@@ -52,10 +67,35 @@ impl ChangeSource for WasmSource {
         &self.name
     }
 
+    fn replacement(&self) -> Option<BoxFuture<'static, String>> {
+        let (registry, name, running) = (self.registry.clone(), self.name.clone(), self.generation);
+        Some(Box::pin(async move {
+            let mut changes = registry.changes();
+            loop {
+                if let Some((_, generation)) = registry.current_source(&name).filter(|(_, g)| *g != running) {
+                    return format!(
+                        "source plugin {name} was replaced (generation {running} -> {generation}): reopening from the durable watermark with the new code"
+                    );
+                }
+                if changes.changed().await.is_err() {
+                    return futures::future::pending().await;
+                }
+            }
+        }))
+    }
+
     async fn open(&mut self, resume: Option<Resume<'_>>) -> Result<Box<dyn ChangeStream>, SourceError> {
+        // The file may have been replaced since the last open (a removed
+        // file leaves the loaded code running).
+        if let Some((pre, generation)) = self.registry.current_source(&self.name) {
+            if generation != self.generation {
+                tracing::info!(source = %self.name, generation, "opening the source with its new code");
+                (self.pre, self.generation) = (pre, generation);
+            }
+        }
         // A fresh Store for every open: a trap or a timed-out call poisons the
         // Store, and reopening is how the loop recovers.
-        let mut store = sandbox::new_store(&self.engine, &self.name, self.limits, &self.net);
+        let mut store = sandbox::new_store(self.engine(), &self.name, self.limits, &self.net);
         let fail = |store: &Store<HostState>, e: wasmtime::Error| {
             SourceError::Transient(format!(
                 "source plugin {} {}",

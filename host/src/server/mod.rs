@@ -5,6 +5,7 @@
 pub mod access;
 pub mod changes;
 pub mod outbox;
+pub mod plugins;
 pub mod tls;
 pub mod upstream;
 pub mod zero_tables;
@@ -41,6 +42,8 @@ pub struct AppState {
     /// Becomes true when the service stops: every stream connection is
     /// closed with 1001 (going away).
     pub shutdown: watch::Receiver<bool>,
+    /// The plugin directory, for `/plugins` (`None`: none is used).
+    pub plugins: Option<Arc<crate::plugin::Registry>>,
 }
 
 /// The close frame every stream connection gets when Sluice shuts down.
@@ -63,6 +66,8 @@ pub fn router(state: AppState) -> Router {
     let guarded = Router::new()
         .route("/status", get(status_json))
         .route("/metrics", get(move || metrics_text(metrics.clone())))
+        .route("/plugins", get(plugins::list))
+        .route("/plugins/reload", axum::routing::post(plugins::reload))
         .route("/replication/{version}/changes", get(changes::changes))
         .route("/replication/{version}/snapshot", get(changes::snapshot))
         .route("/changes/v0/stream", get(upstream::stream))

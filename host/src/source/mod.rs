@@ -30,6 +30,14 @@ pub trait ChangeSource: Send {
     /// Opens a stream that continues after `resume.watermark`, or from the
     /// start of the upstream's lineage when it is `None`.
     async fn open(&mut self, resume: Option<Resume<'_>>) -> Result<Box<dyn ChangeStream>, SourceError>;
+
+    /// Resolves, with a line saying why, when the source's code was
+    /// replaced while it runs (a plugin file copied over the old one): the
+    /// replication loop then ends the stream at a transaction boundary and
+    /// opens it again from the durable watermark. `None`: never replaced.
+    fn replacement(&self) -> Option<futures::future::BoxFuture<'static, String>> {
+        None
+    }
 }
 
 /// Where the change log stands when a source is reopened.

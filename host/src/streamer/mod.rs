@@ -385,8 +385,9 @@ impl Streamer {
         self.hub.storer_started(storer.catchup_queue());
         self.acker.reset();
         let mut state = StreamState::new(resume_after);
+        let mut replaced = self.source.replacement().unwrap_or_else(|| Box::pin(futures::future::pending()));
 
-        let end = self.pump(stream.as_mut(), &storer, &mut durable_rx, &mut state, shutdown).await;
+        let end = self.pump(stream.as_mut(), &storer, &mut durable_rx, &mut state, shutdown, &mut replaced).await;
 
         if let Some(w) = &state.tx {
             tracing::warn!("aborting interrupted transaction {w}");
@@ -423,12 +424,25 @@ impl Streamer {
         durable_rx: &mut mpsc::UnboundedReceiver<Arc<str>>,
         state: &mut StreamState,
         shutdown: &mut watch::Receiver<bool>,
+        replaced: &mut futures::future::BoxFuture<'static, String>,
     ) -> PassEnd {
         let mut encoder = Encoder::default();
         let mut acks: Vec<String> = Vec::new();
         let mut idle = Duration::from_millis(1);
         let mut quiet = QuietSource::default();
+        // Set when the source's code was replaced: the stream ends at the
+        // next transaction boundary, so nothing is rolled back for it.
+        let mut reopen: Option<String> = None;
         loop {
+            // Polled, never raced against `next_batch`: cancelling a call
+            // would lose what the plugin already took from its upstream.
+            if reopen.is_none() {
+                reopen = futures::FutureExt::now_or_never(&mut *replaced);
+            }
+            if let Some(why) = reopen.as_ref().filter(|_| state.tx.is_none()) {
+                tracing::info!("{why}");
+                return PassEnd::Restart;
+            }
             while let Ok(w) = durable_rx.try_recv() {
                 acks.extend(self.on_durable(&w, state));
             }

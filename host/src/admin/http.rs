@@ -1,0 +1,82 @@
+//! One HTTP request to a running Sluice's endpoint, over TCP or TLS, with
+//! its token: enough for the admin commands, with no HTTP client crate.
+
+use std::path::Path;
+
+use anyhow::Context;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::pgconn::tls::{SslMode, TlsSettings};
+
+/// Where a running Sluice is and how to get in.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    /// `http://HOST:PORT` or `https://HOST:PORT`.
+    pub url: String,
+    pub token: Option<String>,
+    /// The CA that signed an `https` endpoint's certificate (default: the
+    /// system's roots).
+    pub ca: Option<std::path::PathBuf>,
+}
+
+/// An answer: the status code and the body.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub body: String,
+}
+
+impl Endpoint {
+    /// `METHOD path`, returning the answer whatever its status.
+    pub async fn request(&self, method: &str, path: &str) -> anyhow::Result<Answer> {
+        let (tls, rest) = match (self.url.strip_prefix("http://"), self.url.strip_prefix("https://")) {
+            (Some(rest), _) => (false, rest),
+            (_, Some(rest)) => (true, rest),
+            _ => anyhow::bail!("{}: expected http://HOST:PORT or https://HOST:PORT", self.url),
+        };
+        let authority = rest.trim_end_matches('/');
+        let host = authority.rsplit_once(':').map(|(h, _)| h).unwrap_or(authority).trim_matches(['[', ']']);
+        let mut request = format!("{method} {path} HTTP/1.0\r\nHost: {authority}\r\nContent-Length: 0\r\n");
+        if let Some(token) = &self.token {
+            request.push_str(&format!("Authorization: Bearer {token}\r\n"));
+        }
+        request.push_str("\r\n");
+        let tcp = tokio::net::TcpStream::connect(authority)
+            .await
+            .with_context(|| format!("connecting to {authority} (is Sluice running there?)"))?;
+        let raw = if tls {
+            let root = self.ca.as_deref().map(Path::display).map(|p| p.to_string()).unwrap_or("system".into());
+            let settings = TlsSettings::new(Some(SslMode::VerifyFull), Some(root), None, None)
+                .map_err(|e| anyhow::anyhow!("TLS: {e}"))?;
+            let name = rustls::pki_types::ServerName::try_from(host.to_string())
+                .with_context(|| format!("{host} is not a valid TLS server name"))?;
+            let stream = tokio_rustls::TlsConnector::from(settings.client_config())
+                .connect(name, tcp)
+                .await
+                .with_context(|| format!("TLS handshake with {authority}"))?;
+            exchange(stream, &request).await?
+        } else {
+            exchange(tcp, &request).await?
+        };
+        let (head, body) = raw.split_once("\r\n\r\n").context("malformed HTTP answer")?;
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .with_context(|| format!("malformed HTTP status line: {}", head.lines().next().unwrap_or("")))?;
+        Ok(Answer { status, body: body.to_string() })
+    }
+}
+
+async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, request: &str) -> anyhow::Result<String> {
+    stream.write_all(request.as_bytes()).await.context("sending the request")?;
+    let mut raw = Vec::new();
+    // The server closes an HTTP/1.0 connection after its answer; a TLS
+    // peer that skips close_notify is still a complete answer here.
+    match stream.read_to_end(&mut raw).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {}
+        Err(e) => return Err(e).context("reading the answer"),
+    }
+    Ok(String::from_utf8_lossy(&raw).into_owned())
+}
