@@ -67,6 +67,17 @@ enum Command {
         #[arg(long = "filter")]
         filters: Vec<String>,
     },
+    /// Look at or reset the change log (no running Sluice needed).
+    Log {
+        #[command(subcommand)]
+        command: LogCommand,
+    },
+    /// What the built-in Postgres source keeps in the upstream: status,
+    /// dropping its slot, removing all it created.
+    Postgres {
+        #[command(subcommand)]
+        command: PostgresCommand,
+    },
     /// Make a running Sluice rescan its plugin directory now (as SIGHUP
     /// does), and print what changed.
     Reload(EndpointArgs),
@@ -78,6 +89,92 @@ enum Command {
         #[arg(long)]
         cache_dir: Option<PathBuf>,
     },
+}
+
+#[derive(Subcommand)]
+enum LogCommand {
+    /// Lineage, owner, watermarks, size and per-table counts.
+    Inspect {
+        #[command(flatten)]
+        log: LogArgs,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete the change log: the next `sluice run` takes a new snapshot
+    /// under a new lineage, and every subscriber syncs again.
+    Reset {
+        #[command(flatten)]
+        log: LogArgs,
+        /// Yes, delete it.
+        #[arg(long)]
+        yes: bool,
+        /// Even though a Sluice answers at the owner address the log records.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+/// Which change log: as for `run`.
+#[derive(clap::Args)]
+struct LogArgs {
+    #[arg(long, default_value = "sqlite:sluice-data/changelog.db", env = "SLUICE_CHANGE_DB", hide_env_values = true)]
+    change_db: String,
+    #[arg(long, default_value = "zero", env = "SLUICE_APP_ID")]
+    app_id: String,
+    #[arg(long, default_value_t = 0, env = "SLUICE_SHARD_NUM")]
+    shard_num: u32,
+}
+
+impl LogArgs {
+    fn place(&self) -> anyhow::Result<sluice::admin::log::LogPlace> {
+        Ok(match parse_change_db(&self.change_db)? {
+            ChangeDb::Sqlite(path) => sluice::admin::log::LogPlace::Sqlite(path),
+            ChangeDb::Postgres(target) => sluice::admin::log::LogPlace::Postgres {
+                target,
+                schema: format!("{}_{}/cdc", self.app_id, self.shard_num),
+            },
+        })
+    }
+}
+
+#[derive(Subcommand)]
+enum PostgresCommand {
+    /// The slot (active or not, WAL it retains), publications, schema
+    /// `_sluice` and the event trigger.
+    Status {
+        #[command(flatten)]
+        source: SourceConfigArg,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drop the replication slot (refused while a Sluice streams from it).
+    DropSlot {
+        #[command(flatten)]
+        source: SourceConfigArg,
+    },
+    /// Remove the slot, the publication Sluice created, the event trigger
+    /// and schema `_sluice` (kept while other slots use them).
+    Uninstall {
+        #[command(flatten)]
+        source: SourceConfigArg,
+        /// Yes, remove them.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+#[derive(clap::Args)]
+struct SourceConfigArg {
+    /// The Postgres source's configuration as `run` takes it: JSON text or @FILE.
+    #[arg(long, env = "SLUICE_SOURCE_CONFIG", hide_env_values = true)]
+    source_config: String,
+}
+
+impl SourceConfigArg {
+    fn upstream(&self) -> anyhow::Result<sluice::admin::postgres::Upstream> {
+        sluice::admin::postgres::Upstream::from_config(&read_source_config(&self.source_config)?)
+    }
 }
 
 /// How an admin command reaches a running Sluice.
@@ -306,6 +403,8 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run(args) => run(*args).await,
             Command::Reload(endpoint) => reload(endpoint).await,
+            Command::Log { command } => log_command(command).await,
+            Command::Postgres { command } => postgres_command(command).await,
             Command::Plugins { plugins, cache_dir } => {
                 list_plugins(plugins.unwrap_or_else(default_plugin_dir), cache_dir).await
             }
@@ -601,6 +700,78 @@ async fn reload_on_hangup(tls: Option<Arc<sluice::server::tls::EndpointTls>>, pl
     }
     #[cfg(not(unix))]
     let _ = (tls, plugins);
+}
+
+async fn log_command(command: LogCommand) -> anyhow::Result<()> {
+    match command {
+        LogCommand::Inspect { log, json } => {
+            let report = log.place()?.inspect().await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{report}");
+            }
+            Ok(())
+        }
+        LogCommand::Reset { log, yes, force } => {
+            let place = log.place()?;
+            let report = place.inspect().await?;
+            if !report.exists {
+                println!("{}: there is no change log to reset", place.describe());
+                return Ok(());
+            }
+            if let Some(address) = report.owner_address.as_deref().filter(|_| !force) {
+                let answers = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(address))
+                    .await
+                    .is_ok_and(|c| c.is_ok());
+                anyhow::ensure!(
+                    !answers,
+                    "a Sluice answers at {address}, the owner address this log records: stop it first (or pass --force)"
+                );
+            }
+            anyhow::ensure!(
+                yes,
+                "this deletes the change log at {} (lineage {}, {} transactions); every subscriber will sync again. Pass --yes to do it",
+                place.describe(),
+                report.replica_version.as_deref().unwrap_or("-"),
+                report.transactions
+            );
+            place.reset().await?;
+            println!("deleted the change log at {}; the next `sluice run` starts a new lineage", place.describe());
+            Ok(())
+        }
+    }
+}
+
+async fn postgres_command(command: PostgresCommand) -> anyhow::Result<()> {
+    match command {
+        PostgresCommand::Status { source, json } => {
+            let status = source.upstream()?.status().await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                print!("{status}");
+            }
+        }
+        PostgresCommand::DropSlot { source } => {
+            let upstream = source.upstream()?;
+            if upstream.drop_slot().await? {
+                println!("dropped the replication slot; the next `sluice run` takes a new snapshot");
+            } else {
+                println!("there is no such replication slot");
+            }
+        }
+        PostgresCommand::Uninstall { source, yes } => {
+            anyhow::ensure!(
+                yes,
+                "this removes the replication slot, the publication Sluice created, the event trigger and schema _sluice; pass --yes to do it"
+            );
+            for line in source.upstream()?.uninstall().await? {
+                println!("{line}");
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `sluice reload`: `POST /plugins/reload`, and what it changed.

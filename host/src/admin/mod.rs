@@ -3,3 +3,5 @@
 //! created upstream (the Postgres slot and publication).
 
 pub mod http;
+pub mod log;
+pub mod postgres;
