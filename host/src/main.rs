@@ -78,6 +78,15 @@ enum Command {
         #[command(subcommand)]
         command: PostgresCommand,
     },
+    /// Ask a running Sluice whether it serves (`/healthz`) or, with
+    /// `--ready`, should get traffic (`/readyz`); exit 0 if so, else 2.
+    /// For container health checks, where there may be no curl.
+    Health {
+        #[command(flatten)]
+        endpoint: EndpointArgs,
+        #[arg(long)]
+        ready: bool,
+    },
     /// Make a running Sluice rescan its plugin directory now (as SIGHUP
     /// does), and print what changed.
     Reload(EndpointArgs),
@@ -403,6 +412,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run(args) => run(*args).await,
             Command::Reload(endpoint) => reload(endpoint).await,
+            Command::Health { endpoint, ready } => health(endpoint, ready).await,
             Command::Log { command } => log_command(command).await,
             Command::Postgres { command } => postgres_command(command).await,
             Command::Plugins { plugins, cache_dir } => {
@@ -771,6 +781,15 @@ async fn postgres_command(command: PostgresCommand) -> anyhow::Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// `sluice health [--ready]`: an error (exit 2) unless the answer is 200.
+async fn health(endpoint: EndpointArgs, ready: bool) -> anyhow::Result<()> {
+    let path = if ready { "/readyz" } else { "/healthz" };
+    let answer = endpoint.endpoint()?.request("GET", path).await?;
+    anyhow::ensure!(answer.status == 200, "{path}: {} {}", answer.status, answer.body.trim());
+    println!("{}", answer.body.trim());
     Ok(())
 }
 
