@@ -421,9 +421,12 @@ async fn sigterm_closes_subscribers_with_going_away_and_exits_zero() {
 /// has observations.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_parse_as_prometheus_text() {
-    let host = Host::start();
+    let host = Host::start_with(tempfile::tempdir().unwrap(), &["--purge-interval-secs".into(), "1".into()]);
     let mut client = host.subscribe("", bearer()).await.unwrap();
     client.take(20).await;
+    // It keeps reading: a lone subscriber that stops holds the live stream
+    // (and the storer's open transaction) until it is closed as a laggard.
+    let reading = tokio::spawn(async move { while client.next().await.is_some() {} });
     assert_eq!(get_status(&host.addr, "/metrics", None), 401);
     let scrape = || {
         use std::io::{Read, Write};
@@ -462,6 +465,26 @@ async fn metrics_parse_as_prometheus_text() {
         }
         other => panic!("not a histogram: {other:?}"),
     }
+    // This subscriber read the log from the start, through the source plugin.
+    assert!(value(&first, "sluice_catchup_changes_total", None) > 0.0);
+    assert!(value(&first, "sluice_plugin_calls_total", Some(("kind", "source"))) > 0.0);
+    assert!(value(&first, "sluice_plugin_call_seconds_total", Some(("kind", "source"))) > 0.0);
+    assert_eq!(value(&first, "sluice_plugin_traps_total", Some(("kind", "source"))), 0.0);
+    let series = first.samples.iter().filter(|s| s.metric == "sluice_subscriber_pending_bytes").count();
+    assert_eq!(series, 1, "one series for the one subscriber");
+    assert!(value(&first, "sluice_subscribers_pending_bytes", None) >= 0.0);
+    // A purge pass (every second here) measures the log.
+    let deadline = Instant::now() + WAIT;
+    while !scrape().samples.iter().any(|s| s.metric == "sluice_change_log_size_bytes") {
+        assert!(Instant::now() < deadline, "no change log size after purges; log:\n{}", host.log_text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(value(&scrape(), "sluice_change_log_size_bytes", None) > 0.0);
+    let status = get_json(&host.addr, "/status");
+    let positions = status["subscriberPositions"].as_array().unwrap();
+    assert_eq!(positions.len(), 1, "{status}");
+    assert_eq!(positions[0]["id"], "s");
+    assert!(status["purge"]["logBytes"].as_u64().unwrap() > 0, "{status}");
     // The source keeps storing (200 tx/s): the counter grows between scrapes.
     let before = value(&first, "sluice_transactions_stored_total", None);
     let deadline = Instant::now() + WAIT;
@@ -469,5 +492,5 @@ async fn metrics_parse_as_prometheus_text() {
         assert!(Instant::now() < deadline, "the stored count did not grow from {before}");
         std::thread::sleep(Duration::from_millis(20));
     }
-    drop(client);
+    reading.abort();
 }

@@ -20,6 +20,10 @@ const WINDOW_BYTES: usize = 1 << 20;
 
 /// Pins a snapshot of the log now (blocking) and catches `sub` up from it; if
 /// the log cannot be read, the subscriber is closed cleanly and retries.
+/// Rows sent from the change log to catching-up subscribers, process-wide
+/// (`sluice_catchup_changes_total`; its rate is the catch-up throughput).
+pub static CHANGES_SENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 pub fn pin_and_start(reader: &dyn LogReader, sub: Arc<Subscriber>, replica_version: String) {
     match reader.snapshot() {
         Ok(snapshot) => start(snapshot, sub, replica_version),
@@ -73,6 +77,7 @@ async fn run(mut snapshot: Box<dyn LogSnapshot>, sub: Arc<Subscriber>, replica_v
             let watermark: Arc<str> = row.watermark.as_str().into();
             sub.catchup(&Entry { change: Change::from_stored(&row.tag, &row.change, &row.watermark), watermark });
             sent += 1;
+            CHANGES_SENT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         if let Some(last) = rows.last() {
             // The subscriber holds the whole transaction at `start`: jump

@@ -70,14 +70,22 @@ pub async fn run(hub: Arc<Hub>, status: Arc<Status>, options: CleanupOptions, mu
                 let (h, o) = (hub.clone(), options.clone());
                 let pass = tokio::task::spawn_blocking(move || {
                     let purged = purge_once(&h, &o)?;
-                    Ok::<_, anyhow::Error>((purged, h.reader().bounds()?))
+                    // The size is for `/status` and `/metrics`; not knowing it is no failure.
+                    let size = h.reader().size_bytes().unwrap_or(None);
+                    Ok::<_, anyhow::Error>((purged, h.reader().bounds()?, size))
                 });
                 match pass.await {
-                    Ok(Ok(((floor, deleted), bounds))) => {
+                    Ok(Ok(((floor, deleted), bounds, log_bytes))) => {
                         if deleted > 0 {
                             tracing::info!(floor = floor.as_deref().unwrap_or("-"), deleted, "purged the change log");
                         }
-                        status.update(|s| s.min_watermark = bounds.min_watermark);
+                        status.update(|s| {
+                            s.min_watermark = bounds.min_watermark;
+                            let report = s.purge.get_or_insert_with(Default::default);
+                            report.floor = floor;
+                            report.deleted_rows += deleted;
+                            report.log_bytes = log_bytes;
+                        });
                     }
                     Ok(Err(e)) => tracing::warn!("purging the change log failed (retrying next pass): {e:#}"),
                     Err(e) => tracing::warn!("purge task failed: {e}"),

@@ -250,6 +250,12 @@ impl Hub {
         self.status.update(|s| s.subscribers = count);
     }
 
+    /// Every connected subscriber, as `/status` lists it.
+    pub fn subscriber_views(&self) -> Vec<crate::subscriber::SubscriberView> {
+        let subscribers: Vec<Arc<Subscriber>> = self.lock().forwarder.subscribers().cloned().collect();
+        subscribers.iter().map(|s| s.view()).collect()
+    }
+
     pub fn broadcast_targets(&self) -> Vec<(Arc<Subscriber>, u64)> {
         self.lock().forwarder.broadcast_targets()
     }

@@ -12,6 +12,8 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::hub::Hub;
+use crate::plugin::{FILTER_CALLS, SOURCE_CALLS};
 use crate::server::access::Access;
 use crate::status::{LineageState, SourceState, Status};
 
@@ -22,7 +24,13 @@ pub struct Metrics {
 struct StatusCollector {
     status: Arc<Status>,
     access: Arc<Access>,
+    hub: Arc<Hub>,
 }
+
+/// Per-subscriber series beyond this many (those with the most bytes
+/// pending are kept) would make a scrape of a large fleet expensive; the
+/// totals cover everyone.
+const MAX_SUBSCRIBER_SERIES: usize = 500;
 
 impl std::fmt::Debug for StatusCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -31,7 +39,7 @@ impl std::fmt::Debug for StatusCollector {
 }
 
 impl Metrics {
-    pub fn new(status: Arc<Status>, access: Arc<Access>) -> Metrics {
+    pub fn new(status: Arc<Status>, access: Arc<Access>, hub: Arc<Hub>) -> Metrics {
         let mut registry = Registry::with_prefix("sluice");
         registry.register_with_unit(
             "storage_commit",
@@ -39,7 +47,7 @@ impl Metrics {
             Unit::Seconds,
             status.commit_seconds().clone(),
         );
-        registry.register_collector(Box::new(StatusCollector { status, access }));
+        registry.register_collector(Box::new(StatusCollector { status, access, hub }));
         Metrics { registry }
     }
 
@@ -54,80 +62,226 @@ impl Metrics {
 impl prometheus_client::collector::Collector for StatusCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let s = self.status.snapshot();
-        let mut counter = |name: &str, help: &str, unit: Option<&Unit>, value: f64| -> Result<(), std::fmt::Error> {
-            let metric = ConstCounter::new(value);
-            metric.encode(encoder.encode_descriptor(name, help, unit, metric.metric_type())?)
-        };
-        counter(
+        counter_value(
+            &mut encoder,
             "transactions_stored",
             "Transactions stored in the change log since start",
             None,
             s.transactions as f64,
         )?;
-        counter("changes_stored", "Data and schema changes stored since start", None, s.changes as f64)?;
+        counter_value(
+            &mut encoder,
+            "changes_stored",
+            "Data and schema changes stored since start",
+            None,
+            s.changes as f64,
+        )?;
         let seconds = |ns: u64| ns as f64 / 1e9;
-        counter("stage_source", "Time spent waiting on the source", Some(&Unit::Seconds), seconds(s.stages.source_ns))?;
-        counter(
+        counter_value(
+            &mut encoder,
+            "stage_source",
+            "Time spent waiting on the source",
+            Some(&Unit::Seconds),
+            seconds(s.stages.source_ns),
+        )?;
+        counter_value(
+            &mut encoder,
             "stage_loop",
             "Time the replication loop spent on its own work",
             Some(&Unit::Seconds),
             seconds(s.stages.loop_ns),
         )?;
-        counter(
+        counter_value(
+            &mut encoder,
             "stage_storage_write",
             "Time the storer spent writing rows",
             Some(&Unit::Seconds),
             seconds(s.stages.write_ns),
         )?;
-        counter(
+        counter_value(
+            &mut encoder,
             "stage_storage_commit",
             "Time the storer spent committing",
             Some(&Unit::Seconds),
             seconds(s.stages.commit_ns),
         )?;
 
-        let mut gauge = |name: &str, help: &str, unit: Option<&Unit>, value: f64| -> Result<(), std::fmt::Error> {
-            let metric = ConstGauge::new(value);
-            metric.encode(encoder.encode_descriptor(name, help, unit, metric.metric_type())?)
-        };
-        gauge("subscribers", "Subscribers connected and following", None, s.subscribers as f64)?;
-        gauge(
+        gauge_value(&mut encoder, "subscribers", "Subscribers connected and following", None, s.subscribers as f64)?;
+        gauge_value(
+            &mut encoder,
             "held_subscribers",
             "Subscribers connected but waiting (a takeover or a drain)",
             None,
             s.held_subscribers as f64,
         )?;
-        gauge(
+        gauge_value(
+            &mut encoder,
             "stream_connections",
             "Open stream connections (subscribers and zero-caches)",
             None,
             self.access.connections() as f64,
         )?;
-        gauge(
+        gauge_value(
+            &mut encoder,
             "reset_required",
             "1 when the upstream required a reset",
             None,
             if s.reset_required { 1.0 } else { 0.0 },
         )?;
         let established = matches!(s.lineage, LineageState::Established);
-        gauge(
+        gauge_value(
+            &mut encoder,
             "lineage_established",
             "1 once the lineage's snapshot is durable",
             None,
             if established { 1.0 } else { 0.0 },
         )?;
         if let LineageState::Snapshotting { rows, tables } = s.lineage {
-            gauge("snapshot_rows", "Rows of the initial snapshot received so far", None, rows as f64)?;
-            gauge("snapshot_tables", "Tables of the initial snapshot begun so far", None, tables as f64)?;
+            gauge_value(
+                &mut encoder,
+                "snapshot_rows",
+                "Rows of the initial snapshot received so far",
+                None,
+                rows as f64,
+            )?;
+            gauge_value(
+                &mut encoder,
+                "snapshot_tables",
+                "Tables of the initial snapshot begun so far",
+                None,
+                tables as f64,
+            )?;
         }
         if let Some(idle) = s.source_idle_ms {
-            gauge(
+            gauge_value(
+                &mut encoder,
                 "source_idle",
                 "Time since the running source last sent anything",
                 Some(&Unit::Seconds),
                 idle as f64 / 1e3,
             )?;
         }
+        counter_value(
+            &mut encoder,
+            "catchup_changes",
+            "Rows sent from the change log to catching-up subscribers (its rate is the catch-up throughput)",
+            None,
+            crate::catchup::CHANGES_SENT.load(std::sync::atomic::Ordering::Relaxed) as f64,
+        )?;
+        if let Some(purge) = &s.purge {
+            counter_value(
+                &mut encoder,
+                "purged_rows",
+                "Change log rows deleted by purges",
+                None,
+                purge.deleted_rows as f64,
+            )?;
+            if let Some(bytes) = purge.log_bytes {
+                gauge_value(
+                    &mut encoder,
+                    "change_log_size",
+                    "The change log's size on disk",
+                    Some(&Unit::Bytes),
+                    bytes as f64,
+                )?;
+            }
+        }
+        let total_bytes: u64 = s.snapshot_tables.iter().map(|t| t.bytes).sum();
+        if !s.snapshot_tables.is_empty() {
+            gauge_value(
+                &mut encoder,
+                "snapshot",
+                "Bytes of the initial snapshot received so far",
+                Some(&Unit::Bytes),
+                total_bytes as f64,
+            )?;
+            let mut family = encoder.encode_descriptor(
+                "snapshot_table_rows",
+                "Rows of each table of the initial snapshot received so far",
+                None,
+                MetricType::Gauge,
+            )?;
+            for t in &s.snapshot_tables {
+                ConstGauge::new(t.rows as i64).encode(family.encode_family(&[("table", t.table.as_str())])?)?;
+            }
+        }
+
+        // Subscribers: totals, and the first few by bytes pending.
+        let mut views = self.hub.subscriber_views();
+        let pending: usize = views.iter().map(|v| v.pending_bytes).sum();
+        gauge_value(
+            &mut encoder,
+            "subscribers_pending",
+            "Bytes queued for or in flight to subscribers, not yet consumed",
+            Some(&Unit::Bytes),
+            pending as f64,
+        )?;
+        let head = s.last_watermark.as_deref().unwrap_or_default();
+        let behind = views.iter().filter(|v| v.acked.as_str() < head).count();
+        gauge_value(
+            &mut encoder,
+            "subscribers_behind_head",
+            "Subscribers whose last ack is behind the newest stored commit",
+            None,
+            behind as f64,
+        )?;
+        let catching_up = views.iter().filter(|v| v.catching_up).count();
+        gauge_value(
+            &mut encoder,
+            "subscribers_catching_up",
+            "Subscribers reading the change log, not yet live",
+            None,
+            catching_up as f64,
+        )?;
+        let max_lag = views.iter().map(|v| v.lagging_ms).max().unwrap_or(0);
+        gauge_value(
+            &mut encoder,
+            "subscriber_lagging_max",
+            "Longest time any subscriber has been lagging behind the live stream",
+            Some(&Unit::Seconds),
+            max_lag as f64 / 1e3,
+        )?;
+        views.sort_by_key(|v| std::cmp::Reverse(v.pending_bytes));
+        views.truncate(MAX_SUBSCRIBER_SERIES);
+        let mut family = encoder.encode_descriptor(
+            "subscriber_pending",
+            "Bytes queued for or in flight to one subscriber (the 500 with the most)",
+            Some(&Unit::Bytes),
+            MetricType::Gauge,
+        )?;
+        for v in &views {
+            let labels = [("subscriber", v.id.as_str()), ("task", v.task_id.as_str())];
+            ConstGauge::new(v.pending_bytes as i64).encode(family.encode_family(&labels)?)?;
+        }
+
+        // Plugins, by kind.
+        for (name, help, unit, read) in [
+            (
+                "plugin_calls",
+                "Calls into plugins",
+                None,
+                (|c: &crate::plugin::PluginCalls| c.calls.load(std::sync::atomic::Ordering::Relaxed) as f64)
+                    as fn(&crate::plugin::PluginCalls) -> f64,
+            ),
+            ("plugin_call", "Time spent in calls into plugins", Some(Unit::Seconds), |c| {
+                c.nanos.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9
+            }),
+            ("plugin_traps", "Plugin calls that trapped", None, |c| {
+                c.traps.load(std::sync::atomic::Ordering::Relaxed) as f64
+            }),
+            ("plugin_deadline_hits", "Plugin calls interrupted at their deadline", None, |c| {
+                c.deadline_hits.load(std::sync::atomic::Ordering::Relaxed) as f64
+            }),
+            ("plugin_memory_limit_hits", "Plugin calls that exceeded the memory cap", None, |c| {
+                c.memory_hits.load(std::sync::atomic::Ordering::Relaxed) as f64
+            }),
+        ] {
+            let mut family = encoder.encode_descriptor(name, help, unit.as_ref(), MetricType::Counter)?;
+            for (kind, calls) in [("source", &SOURCE_CALLS), ("filter", &FILTER_CALLS)] {
+                ConstCounter::new(read(calls)).encode(family.encode_family(&[("kind", kind)])?)?;
+            }
+        }
+
         // One series per state, 1 for the current one.
         let current = match s.source {
             SourceState::Starting => "starting",
@@ -147,4 +301,26 @@ impl prometheus_client::collector::Collector for StatusCollector {
         }
         Ok(())
     }
+}
+
+fn gauge_value(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    value: f64,
+) -> Result<(), std::fmt::Error> {
+    let metric = ConstGauge::new(value);
+    metric.encode(encoder.encode_descriptor(name, help, unit, metric.metric_type())?)
+}
+
+fn counter_value(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    value: f64,
+) -> Result<(), std::fmt::Error> {
+    let metric = ConstCounter::new(value);
+    metric.encode(encoder.encode_descriptor(name, help, unit, metric.metric_type())?)
 }

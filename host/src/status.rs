@@ -70,6 +70,32 @@ pub struct Snapshot {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reset_reason: Option<String>,
     pub stages: StageTimes,
+    /// While a snapshot is stored: rows and bytes per table, in the order
+    /// the tables were begun.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub snapshot_tables: Vec<TableProgress>,
+    /// The last purge: the floor it used (nothing below it is kept), what it
+    /// deleted, and the change log's size on disk after it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub purge: Option<PurgeReport>,
+}
+
+#[derive(Debug, Clone, Serialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct TableProgress {
+    pub table: String,
+    pub rows: u64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PurgeReport {
+    pub floor: Option<String>,
+    /// Rows deleted by every purge since start.
+    pub deleted_rows: u64,
+    /// `None` where the store cannot tell.
+    pub log_bytes: Option<u64>,
 }
 
 /// Where the time goes: cumulative nanoseconds per stage of the pipeline.

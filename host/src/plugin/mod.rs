@@ -14,7 +14,9 @@ mod wasm_source;
 pub mod watch;
 
 pub use registry::{PluginInfo, PluginKind, Refused, Registry, Rescan};
-pub use sandbox::{describe_failure, new_store, HostState, NetGrant, SandboxLimits};
+pub use sandbox::{
+    describe_failure, new_store, HostState, NetGrant, PluginCalls, SandboxLimits, FILTER_CALLS, SOURCE_CALLS,
+};
 pub use wasm_filter::{FilterPlugins, WasmFilter};
 pub use wasm_source::WasmSource;
 

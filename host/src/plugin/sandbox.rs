@@ -235,6 +235,50 @@ impl Drop for LogWriter {
 }
 
 /// A readable cause for a failed plugin call.
+/// Process-wide counts of calls into plugins of one kind, for `/metrics`.
+#[derive(Default)]
+pub struct PluginCalls {
+    pub calls: std::sync::atomic::AtomicU64,
+    pub nanos: std::sync::atomic::AtomicU64,
+    pub traps: std::sync::atomic::AtomicU64,
+    pub deadline_hits: std::sync::atomic::AtomicU64,
+    pub memory_hits: std::sync::atomic::AtomicU64,
+}
+
+/// Calls into source plugins (`next-batch`, `ack`).
+pub static SOURCE_CALLS: PluginCalls = PluginCalls::new();
+/// Calls into filter plugins (`apply`, `table-policy`).
+pub static FILTER_CALLS: PluginCalls = PluginCalls::new();
+
+impl PluginCalls {
+    const fn new() -> Self {
+        use std::sync::atomic::AtomicU64;
+        PluginCalls {
+            calls: AtomicU64::new(0),
+            nanos: AtomicU64::new(0),
+            traps: AtomicU64::new(0),
+            deadline_hits: AtomicU64::new(0),
+            memory_hits: AtomicU64::new(0),
+        }
+    }
+
+    /// One call that began at `started`; a failure is counted by its cause.
+    pub fn record<T>(&self, started: std::time::Instant, result: &Result<T, wasmtime::Error>, state: &HostState) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.calls.fetch_add(1, Relaxed);
+        self.nanos.fetch_add(started.elapsed().as_nanos() as u64, Relaxed);
+        let Err(err) = result else { return };
+        if state.hit_memory_cap() {
+            self.memory_hits.fetch_add(1, Relaxed);
+        } else if let Some(trap) = err.downcast_ref::<wasmtime::Trap>() {
+            match trap {
+                wasmtime::Trap::Interrupt => self.deadline_hits.fetch_add(1, Relaxed),
+                _ => self.traps.fetch_add(1, Relaxed),
+            };
+        }
+    }
+}
+
 pub fn describe_failure(err: &wasmtime::Error, state: &HostState, limits: SandboxLimits) -> String {
     if state.hit_memory_cap() {
         return format!("exceeded its memory limit of {} MiB", limits.memory_bytes >> 20);

@@ -14,7 +14,7 @@ use sluice_contract::model::PluginError;
 use wasmtime::component::ResourceAny;
 use wasmtime::{Engine, Store};
 
-use super::sandbox::{describe_failure, new_store, HostState, NetGrant, SandboxLimits};
+use super::sandbox::{describe_failure, new_store, HostState, NetGrant, SandboxLimits, FILTER_CALLS};
 use super::Registry;
 use crate::filter::{ChangeFilter, FilterFactory, FilterHost};
 
@@ -157,7 +157,10 @@ impl ChangeFilter for WasmFilter {
         }
         self.store.data_mut().arm_running_time(self.limits.call_deadline);
         let filter = self.plugin.sluice_plugin_filter().change_filter();
-        let policy = match filter.call_table_policy(&mut self.store, self.handle, schema, table).await {
+        let started = std::time::Instant::now();
+        let called = filter.call_table_policy(&mut self.store, self.handle, schema, table).await;
+        FILTER_CALLS.record(started, &called, self.store.data());
+        let policy = match called {
             Ok(p) => p,
             Err(e) => return Err(self.failure(e)),
         };
@@ -187,7 +190,9 @@ impl ChangeFilter for WasmFilter {
         }
         self.store.data_mut().arm_running_time(self.limits.call_deadline);
         let filter = self.plugin.sluice_plugin_filter().change_filter();
+        let started = std::time::Instant::now();
         let called = filter.call_apply(&mut self.store, self.handle, &self.batch).await;
+        FILTER_CALLS.record(started, &called, self.store.data());
         if self.batch.texts.capacity() > KEPT_BATCH_BYTES {
             self.batch = empty_batch();
         }

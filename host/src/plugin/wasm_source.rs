@@ -168,7 +168,10 @@ impl ChangeStream for WasmStream {
     async fn next_batch(&mut self, max: u32) -> Result<Vec<Message>, SourceError> {
         self.arm();
         let stream = self.plugin.sluice_plugin_source().change_stream();
-        match stream.call_next_batch(&mut self.store, self.handle, max).await {
+        let started = std::time::Instant::now();
+        let called = stream.call_next_batch(&mut self.store, self.handle, max).await;
+        sandbox::SOURCE_CALLS.record(started, &called, self.store.data());
+        match called {
             Ok(Ok(batch)) => Ok(batch),
             Ok(Err(e)) => Err(plugin_error(&self.name, e)),
             Err(e) => Err(self.failure(e)),
@@ -178,7 +181,10 @@ impl ChangeStream for WasmStream {
     async fn ack(&mut self, watermark: &str) -> Result<(), SourceError> {
         self.arm();
         let stream = self.plugin.sluice_plugin_source().change_stream();
-        match stream.call_ack(&mut self.store, self.handle, &watermark.to_string()).await {
+        let started = std::time::Instant::now();
+        let called = stream.call_ack(&mut self.store, self.handle, &watermark.to_string()).await;
+        sandbox::SOURCE_CALLS.record(started, &called, self.store.data());
+        match called {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(plugin_error(&self.name, e)),
             Err(e) => Err(self.failure(e)),

@@ -62,7 +62,7 @@ pub async fn stopping(mut shutdown: watch::Receiver<bool>) {
 /// The routes. The health checks stay open; everything else needs the
 /// token when one is set.
 pub fn router(state: AppState) -> Router {
-    let metrics = Arc::new(crate::metrics::Metrics::new(state.status.clone(), state.access.clone()));
+    let metrics = Arc::new(crate::metrics::Metrics::new(state.status.clone(), state.access.clone(), state.hub.clone()));
     let guarded = Router::new()
         .route("/status", get(status_json))
         .route("/metrics", get(move || metrics_text(metrics.clone())))
@@ -118,6 +118,8 @@ async fn status_json(State(state): State<AppState>) -> Json<serde_json::Value> {
         .collect();
     if let Some(map) = status.as_object_mut() {
         map.insert("reservations".into(), reservations.into());
+        let views = state.hub.subscriber_views();
+        map.insert("subscriberPositions".into(), serde_json::to_value(views).unwrap_or_default());
     }
     Json(status)
 }

@@ -190,4 +190,8 @@ pub trait LogReader: Send + Sync {
         transactions: Option<u64>,
         age: Option<std::time::Duration>,
     ) -> anyhow::Result<Option<String>>;
+    /// The change log's size on disk, where the store can tell.
+    fn size_bytes(&self) -> anyhow::Result<Option<u64>> {
+        Ok(None)
+    }
 }

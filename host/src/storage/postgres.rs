@@ -827,6 +827,23 @@ fn quote_literal(s: &str) -> String {
 }
 
 impl LogReader for PostgresReader {
+    fn size_bytes(&self) -> anyhow::Result<Option<u64>> {
+        let settings = self.settings.clone();
+        let schema = format!("{}_{}/cdc", settings.app_id, settings.shard_num);
+        self.rt.block_on(async {
+            let c = settings.connect().await?;
+            let size: i64 = c
+                .query_one(
+                    "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)::int8 FROM pg_class c \
+                     JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relkind = 'r'",
+                    &[&schema],
+                )
+                .await?
+                .get(0);
+            Ok(Some(size as u64))
+        })
+    }
+
     fn snapshot(&self) -> anyhow::Result<Box<dyn LogSnapshot>> {
         let s = self.schema.clone();
         let settings = self.settings.clone();

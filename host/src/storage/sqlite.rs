@@ -562,6 +562,12 @@ impl Drop for SqliteSnapshot {
 }
 
 impl LogReader for SqliteReader {
+    fn size_bytes(&self) -> anyhow::Result<Option<u64>> {
+        // The database and its write-ahead log (checkpointed into it).
+        let with = |suffix: &str| std::fs::metadata(format!("{}{suffix}", self.path.display())).map_or(0, |m| m.len());
+        Ok(Some(with("") + with("-wal")))
+    }
+
     fn snapshot(&self) -> anyhow::Result<Box<dyn LogSnapshot>> {
         let conn = self.connect()?;
         // The first read inside the transaction pins the WAL snapshot.

@@ -18,7 +18,7 @@ use crate::forwarder;
 use crate::hub::Hub;
 use crate::source::model::{Control, Message};
 use crate::source::{ChangeSource, ChangeStream, Resume, SourceError};
-use crate::status::{LineageState, SourceState, Stage, Status};
+use crate::status::{LineageState, SourceState, Stage, Status, TableProgress};
 use crate::storage::{ChangeLog, NewLineage};
 use crate::storer::{Establish, Storer, StorerOptions};
 use acker::UpstreamAcker;
@@ -111,6 +111,8 @@ pub struct Streamer {
     /// The lineage's snapshot is not durable yet: nothing is served until
     /// the storer's first commit establishes it (progress goes to `/status`).
     snapshotting: bool,
+    /// When the snapshot's progress was last logged, and its rows then.
+    snapshot_line: Option<(std::time::Instant, u64)>,
 }
 
 impl Streamer {
@@ -137,6 +139,7 @@ impl Streamer {
             claimed: false,
             seeded: false,
             snapshotting: false,
+            snapshot_line: None,
         }
     }
 
@@ -336,6 +339,7 @@ impl Streamer {
                         s.min_watermark = Some(rv.clone());
                         s.replica_version = Some(rv);
                         s.lineage = LineageState::Established;
+                        s.snapshot_tables.clear();
                     });
                 }),
             }
@@ -351,9 +355,11 @@ impl Streamer {
         self.status.update(|s| {
             s.replica_version = None;
             s.lineage = LineageState::Snapshotting { tables: 0, rows: 0 };
+            s.snapshot_tables.clear();
             s.last_watermark = None;
             s.min_watermark = None;
         });
+        self.snapshot_line = None;
     }
 
     /// The storer made everything through `w` durable (and established a
@@ -630,7 +636,7 @@ impl Streamer {
         let tx = state.tx.clone().expect("checked above: a transaction is open");
         let kind = change.kind;
         if kind == Kind::Data && self.snapshotting {
-            self.count_snapshot_progress(change.tag);
+            self.count_snapshot_progress(&change);
         }
         state.unflushed_bytes += change.json.len();
         self.hub.publish(storer, &tx, change);
@@ -649,19 +655,57 @@ impl Streamer {
 }
 
 impl Streamer {
-    /// `/status` progress of a lineage being established.
-    fn count_snapshot_progress(&self, tag: &str) {
-        let (table, row) = (tag == "create-table", tag == "insert");
-        if table || row {
-            self.status.update(|s| {
-                if let LineageState::Snapshotting { tables, rows } = &mut s.lineage {
-                    *tables += table as u64;
-                    *rows += row as u64;
-                }
-            });
+    /// `/status` progress of a lineage being established: rows and bytes
+    /// per table (rows belong to the table begun last), and a log line
+    /// with the rate every [`SNAPSHOT_LINE_EVERY`].
+    fn count_snapshot_progress(&mut self, change: &Change) {
+        let (table, row) = (change.tag == "create-table", change.tag == "insert");
+        if !(table || row) {
+            return;
+        }
+        let name = table.then(|| {
+            let spec = serde_json::from_str::<serde_json::Value>(change.stored()).unwrap_or_default();
+            format!(
+                "{}.{}",
+                spec["spec"]["schema"].as_str().unwrap_or("?"),
+                spec["spec"]["name"].as_str().unwrap_or("?")
+            )
+        });
+        let bytes = change.json.len() as u64;
+        let mut total = 0;
+        self.status.update(|s| {
+            if let LineageState::Snapshotting { tables, rows } = &mut s.lineage {
+                *tables += table as u64;
+                *rows += row as u64;
+                total = *rows;
+            }
+            if let Some(name) = name {
+                s.snapshot_tables.push(TableProgress { table: name, rows: 0, bytes: 0 });
+            } else if let Some(current) = s.snapshot_tables.last_mut() {
+                current.rows += 1;
+                current.bytes += bytes;
+            }
+        });
+        let now = std::time::Instant::now();
+        let (since, rows_then) = *self.snapshot_line.get_or_insert((now, total));
+        if now.duration_since(since) >= SNAPSHOT_LINE_EVERY {
+            let s = self.status.snapshot();
+            let rate = (total - rows_then) as f64 / now.duration_since(since).as_secs_f64();
+            let bytes: u64 = s.snapshot_tables.iter().map(|t| t.bytes).sum();
+            let current =
+                s.snapshot_tables.last().map(|t| format!("{} ({} rows)", t.table, t.rows)).unwrap_or_default();
+            tracing::info!(
+                "snapshot: {total} rows, {:.1} MiB in {} tables so far, {rate:.0} rows/s; copying {current}",
+                bytes as f64 / (1 << 20) as f64,
+                s.snapshot_tables.len()
+            );
+            self.snapshot_line = Some((now, total));
         }
     }
 }
+
+/// How often a snapshot being stored reports its progress in the log.
+const SNAPSHOT_LINE_EVERY: Duration = Duration::from_secs(10);
 
 /// A connected source that sends nothing (not even a status) for long may
 /// be stalled: say so in the log, after a minute and then at doubling

@@ -111,6 +111,24 @@ struct State {
     samples: VecDeque<(Instant, u64)>,
 }
 
+/// One subscriber as `/status` lists it.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SubscriberView {
+    pub id: String,
+    pub task_id: String,
+    /// The last commit sent to it.
+    pub sent: String,
+    /// The last commit it consumed (acked).
+    pub acked: String,
+    /// Bytes queued for it or in flight, not yet consumed.
+    pub pending_bytes: usize,
+    /// Still reading the change log (not yet following live).
+    pub catching_up: bool,
+    /// How long it has been lagging behind the live stream (0: it is not).
+    pub lagging_ms: u64,
+}
+
 /// Handed to the connection task: where to read frames from.
 pub struct Connection {
     pub frames: mpsc::UnboundedReceiver<Frame>,
@@ -155,6 +173,20 @@ impl Subscriber {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Where this subscriber stands, for `/status` and `/metrics`.
+    pub fn view(&self) -> SubscriberView {
+        let st = self.lock();
+        SubscriberView {
+            id: self.id.clone(),
+            task_id: self.task_id.clone(),
+            sent: st.watermark.to_string(),
+            acked: st.acked.to_string(),
+            pending_bytes: self.pending_bytes(),
+            catching_up: st.backlog.is_some(),
+            lagging_ms: st.lagging_since.map_or(0, |since| since.elapsed().as_millis() as u64),
+        }
     }
 
     /// The last commit consumed: this subscriber's contribution to the purge floor.
