@@ -19,6 +19,7 @@ use tokio_tungstenite::tungstenite::Message as Ws;
 
 on_both_backends!(
     a_subscriber_before_the_snapshot_is_durable_is_closed_and_served_after,
+    a_snapshot_reports_rows_and_bytes_per_table,
     the_retention_window_holds_the_log_without_subscribers,
     a_catching_up_subscriber_past_its_backlog_limit_is_closed_and_catches_up_later,
     catches_up_from_the_log_then_continues_live,
@@ -110,6 +111,43 @@ async fn a_subscriber_before_the_snapshot_is_durable_is_closed_and_served_after(
     assert_eq!(s.spec.replication().await, ("01".to_string(), "02".to_string(), false));
     let mut c = Client::subscribe_at(&s.addr, "01", "01").await;
     assert_eq!(c.take(4).await, ["status", "begin 02", "insert 1", "commit 02"]);
+}
+
+/// While a snapshot is stored, `/status` counts rows and bytes per table
+/// (rows belong to the table begun last); the counts go once it is durable.
+async fn a_snapshot_reports_rows_and_bytes_per_table(backend: Backend) {
+    use sluice::source::model::{CreateTable, SchemaChange, TableSpec};
+    let s = start_server(backend, sluice::subscriber::Limits::default(), Feed::default()).await;
+    let table = |name: &str| {
+        Message::Schema(SchemaChange::CreateTable(CreateTable {
+            spec: TableSpec { schema: "public".into(), name: name.into(), columns: vec![], primary_key: None },
+            metadata: None,
+        }))
+    };
+    s.feed.push(relation());
+    s.feed.push(begin("02"));
+    s.feed.push(table("first"));
+    s.feed.push(insert(1));
+    s.feed.push(table("second"));
+    for id in 2..5 {
+        s.feed.push(insert(id));
+    }
+    let st = s.status.clone();
+    wait_until("the snapshot's rows to be counted", WAIT, || {
+        let rows = st.snapshot().snapshot_tables.iter().map(|t| t.rows).sum::<u64>();
+        async move { rows == 4 }
+    })
+    .await;
+    let body = serde_json::to_value(s.status.snapshot()).unwrap();
+    let tables = body["snapshotTables"].as_array().unwrap();
+    let counts: Vec<(&str, u64)> =
+        tables.iter().map(|t| (t["table"].as_str().unwrap(), t["rows"].as_u64().unwrap())).collect();
+    assert_eq!(counts, [("public.first", 1), ("public.second", 3)], "{body}");
+    assert!(tables.iter().all(|t| t["bytes"].as_u64().unwrap() > 0), "{body}");
+    assert_eq!(body["lineage"], serde_json::json!({"state": "snapshotting", "tables": 2, "rows": 4}), "{body}");
+    s.feed.push(commit("02"));
+    s.stored("02").await;
+    assert!(s.status.snapshot().snapshot_tables.is_empty());
 }
 
 async fn catches_up_from_the_log_then_continues_live(backend: Backend) {
