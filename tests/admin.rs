@@ -155,6 +155,10 @@ async fn the_postgres_sources_upstream_objects_are_listed_and_removed() {
         ["--source", "postgres", "--source-config", &config, "--change-db", &db].map(String::from).to_vec();
     let host = Running::start(&args, dir.path());
     host.wait_status("the snapshot", |s| s["lineage"]["state"] == "established");
+    // The host measures what the slot retains (a true condition once measured).
+    host.wait_status("the retained WAL", |s| s["retainedWalBytes"].is_u64());
+    let metrics = common::process::http_get(&host.addr, "/metrics").unwrap();
+    assert!(metrics.contains("sluice_source_retained_wal_bytes "), "{metrics}");
 
     let pg_status = || json(&admin(&["postgres", "status", "--json", "--source-config", &config]));
     let up = pg_status();

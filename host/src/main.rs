@@ -517,6 +517,7 @@ fn resolve_net(config: &str, allow: &[String]) -> anyhow::Result<NetGrant> {
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     let config = read_source_config(&args.source_config)?;
+    let source_config = config.clone();
     let change_db = parse_change_db(&args.change_db)?;
     let durability = match args.sync.as_str() {
         "full" => Durability::Full,
@@ -651,6 +652,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         ..ServiceConfig::new(source, log, reader)
     };
     let mut service = Service::start(config).await?;
+    if builtin {
+        tokio::spawn(watch_retained_wal(source_config.clone(), service.status().clone()));
+    }
     let addr = service.addr();
     let (ws, http) = if endpoint_tls.is_some() { ("wss", "https") } else { ("ws", "http") };
     tracing::info!(
@@ -677,6 +681,28 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             result
         }
         Err(_) => anyhow::bail!("the shutdown did not finish within {} s (--shutdown-timeout-secs)", bound.as_secs()),
+    }
+}
+
+/// The built-in Postgres source: how much WAL the upstream keeps for the
+/// slot (`/status` `retainedWalBytes`, `sluice_source_retained_wal_bytes`),
+/// measured every 15 s on a connection of its own (every 2 s while the
+/// slot does not exist yet).
+async fn watch_retained_wal(source_config: String, status: Arc<sluice::status::Status>) {
+    let Ok(upstream) = sluice::admin::postgres::Upstream::from_config(&source_config) else {
+        return;
+    };
+    loop {
+        let bytes = match upstream.status().await {
+            Ok(up) => up.slot_state.and_then(|s| s.retained_wal_bytes).map(|b| b.max(0) as u64),
+            Err(e) => {
+                tracing::debug!("measuring the slot's retained WAL: {e:#}");
+                None
+            }
+        };
+        status.update(|s| s.retained_wal_bytes = bytes);
+        // Until the slot exists (the source is starting), look again soon.
+        tokio::time::sleep(Duration::from_secs(if bytes.is_some() { 15 } else { 2 })).await;
     }
 }
 

@@ -186,6 +186,15 @@ impl prometheus_client::collector::Collector for StatusCollector {
                 )?;
             }
         }
+        if let Some(bytes) = s.retained_wal_bytes {
+            gauge_value(
+                &mut encoder,
+                "source_retained_wal",
+                "WAL the upstream keeps for the Postgres source's replication slot",
+                Some(&Unit::Bytes),
+                bytes as f64,
+            )?;
+        }
         let total_bytes: u64 = s.snapshot_tables.iter().map(|t| t.bytes).sum();
         if !s.snapshot_tables.is_empty() {
             gauge_value(

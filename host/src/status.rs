@@ -78,6 +78,9 @@ pub struct Snapshot {
     /// deleted, and the change log's size on disk after it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub purge: Option<PurgeReport>,
+    /// The built-in Postgres source: WAL the upstream keeps for its slot.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retained_wal_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Default)]
