@@ -738,17 +738,19 @@ async fn reload_on_hangup(tls: Option<Arc<sluice::server::tls::EndpointTls>>, pl
     let _ = (tls, plugins);
 }
 
+/// An admin report as JSON (`--json`) or as lines for a person.
+fn print_report<R: serde::Serialize + std::fmt::Display>(report: &R, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+    } else {
+        print!("{report}");
+    }
+    Ok(())
+}
+
 async fn log_command(command: LogCommand) -> anyhow::Result<()> {
     match command {
-        LogCommand::Inspect { log, json } => {
-            let report = log.place()?.inspect().await?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                print!("{report}");
-            }
-            Ok(())
-        }
+        LogCommand::Inspect { log, json } => print_report(&log.place()?.inspect().await?, json),
         LogCommand::Reset { log, yes, force } => {
             let place = log.place()?;
             let report = place.inspect().await?;
@@ -781,14 +783,7 @@ async fn log_command(command: LogCommand) -> anyhow::Result<()> {
 
 async fn postgres_command(command: PostgresCommand) -> anyhow::Result<()> {
     match command {
-        PostgresCommand::Status { source, json } => {
-            let status = source.upstream()?.status().await?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&status)?);
-            } else {
-                print!("{status}");
-            }
-        }
+        PostgresCommand::Status { source, json } => print_report(&source.upstream()?.status().await?, json)?,
         PostgresCommand::DropSlot { source } => {
             let upstream = source.upstream()?;
             if upstream.drop_slot().await? {

@@ -338,6 +338,10 @@ impl Registry {
     /// or removed since), so a subscription sees the directory as it is
     /// now even before the watcher reports it. One `stat`.
     async fn refresh(&self, name: &str) {
+        // A subscriber names the plugin: never a path outside the directory.
+        if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
+            return;
+        }
         let path = self.dir.join(format!("{name}.wasm"));
         let now = std::fs::metadata(&path).ok().map(|m| FileStamp::of(&m));
         let loaded = self.slot(name).map(|s| s.stamp);
