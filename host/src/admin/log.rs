@@ -99,8 +99,11 @@ fn inspect_sqlite(path: &Path) -> anyhow::Result<LogReport> {
     if !path.exists() {
         return Ok(report);
     }
-    let conn = rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+    let mut conn = rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
         .with_context(|| format!("opening {}", path.display()))?;
+    // One read transaction: every figure from the same state of a log that
+    // a running Sluice may be writing.
+    let conn = conn.transaction().context("starting a read transaction")?;
     let has_log: bool = conn.query_row(
         "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'changeLog'",
         [],
@@ -176,6 +179,12 @@ async fn inspect_postgres(target: &PgTarget, schema: &str) -> anyhow::Result<Log
         return Ok(report);
     }
     report.exists = true;
+    // One snapshot: every figure from the same state of a log that a
+    // running Sluice may be writing.
+    client
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        .await
+        .context("starting a read transaction")?;
     let s = quote_ident(schema);
     if let Some(row) = client
         .query_opt(
