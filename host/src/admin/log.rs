@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::pgconn::{self, PgTarget};
+use crate::pgconn::PgTarget;
 use crate::storage::postgres::quote_ident;
 
 /// Where a change log lives, as `--change-db` names it.
@@ -83,7 +83,7 @@ impl LogPlace {
                 Ok(())
             }
             LogPlace::Postgres { target, schema } => {
-                let client = connect(target).await?;
+                let client = super::connect_postgres(target, "the change DB").await?;
                 client
                     .batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", quote_ident(schema)))
                     .await
@@ -157,19 +157,10 @@ fn inspect_sqlite(path: &Path) -> anyhow::Result<LogReport> {
     Ok(report)
 }
 
-async fn connect(target: &PgTarget) -> anyhow::Result<tokio_postgres::Client> {
-    let mut config = target.config.clone();
-    config.application_name("sluice-admin");
-    config.connect_timeout(std::time::Duration::from_secs(10));
-    pgconn::connect(target, &config)
-        .await
-        .map_err(|e| anyhow::anyhow!("connecting to the change DB {}: {}", target.describe(), pgconn::error_text(&e)))
-}
-
 async fn inspect_postgres(target: &PgTarget, schema: &str) -> anyhow::Result<LogReport> {
     let mut report =
         LogReport { place: format!("Postgres schema {schema} at {}", target.describe()), ..Default::default() };
-    let client = connect(target).await?;
+    let client = super::connect_postgres(target, "the change DB").await?;
     let exists = client
         .query_opt("SELECT 1 FROM pg_namespace WHERE nspname = $1", &[&schema])
         .await

@@ -5,3 +5,18 @@
 pub mod http;
 pub mod log;
 pub mod postgres;
+
+/// A connection for an admin command to a PostgreSQL server, named
+/// `sluice-admin` in `pg_stat_activity`; `what` names the server in errors
+/// ("the change DB", "the upstream").
+pub(crate) async fn connect_postgres(
+    target: &crate::pgconn::PgTarget,
+    what: &str,
+) -> anyhow::Result<tokio_postgres::Client> {
+    let mut config = target.config.clone();
+    config.application_name("sluice-admin");
+    config.connect_timeout(std::time::Duration::from_secs(10));
+    crate::pgconn::connect(target, &config)
+        .await
+        .map_err(|e| anyhow::anyhow!("connecting to {what} {}: {}", target.describe(), crate::pgconn::error_text(&e)))
+}

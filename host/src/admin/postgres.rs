@@ -7,7 +7,7 @@
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::pgconn::{self, PgTarget};
+use crate::pgconn::PgTarget;
 use crate::source::postgres::PostgresSourceConfig;
 
 /// The upstream and the names the source's configuration gives.
@@ -55,12 +55,7 @@ impl Upstream {
     }
 
     async fn connect(&self) -> anyhow::Result<tokio_postgres::Client> {
-        let mut config = self.target.config.clone();
-        config.application_name("sluice-admin");
-        config.connect_timeout(std::time::Duration::from_secs(10));
-        pgconn::connect(&self.target, &config).await.map_err(|e| {
-            anyhow::anyhow!("connecting to the upstream {}: {}", self.target.describe(), pgconn::error_text(&e))
-        })
+        super::connect_postgres(&self.target, "the upstream").await
     }
 
     pub async fn status(&self) -> anyhow::Result<UpstreamStatus> {
@@ -92,27 +87,14 @@ impl Upstream {
                 .is_some();
             publications.push((name, exists));
         }
-        let sluice_schema = client
-            .query_opt("SELECT 1 FROM pg_namespace WHERE nspname = '_sluice'", &[])
-            .await
-            .context("reading pg_namespace")?
-            .is_some();
+        let recorded = recorded_slots(&client).await?;
+        let sluice_schema = recorded.is_some();
         let event_trigger = client
             .query_opt("SELECT 1 FROM pg_event_trigger WHERE evtname = '_sluice_ddl'", &[])
             .await
             .context("reading pg_event_trigger")?
             .is_some();
-        let recorded_slots = if sluice_schema {
-            client
-                .query("SELECT slot FROM _sluice.slots ORDER BY slot", &[])
-                .await
-                .context("reading _sluice.slots")?
-                .iter()
-                .map(|r| r.get(0))
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let recorded_slots = recorded.unwrap_or_default();
         let max_slot_wal_keep_size: String = client
             .query_one("SHOW max_slot_wal_keep_size", &[])
             .await
@@ -159,8 +141,7 @@ impl Upstream {
         };
         // Forget it, so a later start takes a new snapshot rather than
         // looking for the slot.
-        let recorded = client.query_opt("SELECT 1 FROM pg_namespace WHERE nspname = '_sluice'", &[]).await?;
-        if recorded.is_some() {
+        if recorded_slots(client).await?.is_some() {
             client
                 .execute("DELETE FROM _sluice.slots WHERE slot = $1", &[slot])
                 .await
@@ -195,12 +176,7 @@ impl Upstream {
                 self.config.publications.join(", ")
             ));
         }
-        let schema = client.query_opt("SELECT 1 FROM pg_namespace WHERE nspname = '_sluice'", &[]).await?;
-        let others: Vec<String> = if schema.is_some() {
-            client.query("SELECT slot FROM _sluice.slots ORDER BY slot", &[]).await?.iter().map(|r| r.get(0)).collect()
-        } else {
-            Vec::new()
-        };
+        let others = recorded_slots(&client).await?.unwrap_or_default();
         if others.is_empty() {
             client
                 .batch_execute("DROP EVENT TRIGGER IF EXISTS _sluice_ddl; DROP SCHEMA IF EXISTS _sluice CASCADE")
@@ -221,6 +197,20 @@ impl Upstream {
         }
         Ok(done)
     }
+}
+
+/// The slots recorded in `_sluice.slots`, or `None` without schema `_sluice`.
+async fn recorded_slots(client: &tokio_postgres::Client) -> anyhow::Result<Option<Vec<String>>> {
+    let schema = client
+        .query_opt("SELECT 1 FROM pg_namespace WHERE nspname = '_sluice'", &[])
+        .await
+        .context("reading pg_namespace")?;
+    if schema.is_none() {
+        return Ok(None);
+    }
+    let rows =
+        client.query("SELECT slot FROM _sluice.slots ORDER BY slot", &[]).await.context("reading _sluice.slots")?;
+    Ok(Some(rows.iter().map(|r| r.get(0)).collect()))
 }
 
 impl std::fmt::Display for UpstreamStatus {
