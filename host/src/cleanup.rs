@@ -65,7 +65,10 @@ pub async fn run(hub: Arc<Hub>, status: Arc<Status>, options: CleanupOptions, mu
     loop {
         tokio::select! {
             _ = shutdown.changed() => return,
-            _ = monitor.tick() => hub.check_laggards(options.lag_grace),
+            _ = monitor.tick() => {
+                hub.check_laggards(options.lag_grace);
+                hub.enforce_budget();
+            }
             _ = purge.tick() => {
                 let (h, o) = (hub.clone(), options.clone());
                 let pass = tokio::task::spawn_blocking(move || {

@@ -66,10 +66,15 @@ impl Forwarder {
         self.len() == 0
     }
 
-    /// What a flow-control wait waits for: each active subscriber and the
-    /// number of messages it must have consumed.
+    /// What a flow-control wait waits for: each active subscriber that
+    /// holds flow control ([`Subscriber::holds_flow_control`]) and the number
+    /// of messages it must have consumed.
     pub fn broadcast_targets(&self) -> Vec<(Arc<Subscriber>, u64)> {
-        self.active.iter().filter(|s| !s.is_closed()).map(|s| (s.clone(), s.enqueued())).collect()
+        self.active
+            .iter()
+            .filter(|s| !s.is_closed() && s.holds_flow_control())
+            .map(|s| (s.clone(), s.enqueued()))
+            .collect()
     }
 
     /// Zero's laggard detection, run every second: a subscriber that missed
@@ -107,8 +112,14 @@ pub enum Release {
     ConsensusTimeout,
 }
 
+/// How long a wait without a majority lasts (with a non-negative
+/// proportion): a majority that stopped acknowledging together must not
+/// hold the stream for the rest.
+pub const NO_MAJORITY_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Waits for the targets: all of them, or a majority plus
-/// `elapsed × proportion` (negative proportion: wait for all).
+/// `elapsed × proportion` (negative proportion: wait for all). Without a
+/// majority the wait ends after [`NO_MAJORITY_TIMEOUT`].
 pub async fn broadcast(targets: Vec<(Arc<Subscriber>, u64)>, proportion: f64) -> Release {
     if targets.is_empty() {
         return Release::AllSubscribers;
@@ -132,14 +143,15 @@ pub async fn broadcast(targets: Vec<(Arc<Subscriber>, u64)>, proportion: f64) ->
         .collect();
     let mut done = vec![false; targets.len()];
     let mut completed = 0;
-    let mut deadline: Option<tokio::time::Instant> = None;
+    let mut deadline: Option<tokio::time::Instant> =
+        (proportion >= 0.0).then(|| tokio::time::Instant::now() + NO_MAJORITY_TIMEOUT);
     loop {
         let next = match deadline {
             Some(d) => match tokio::time::timeout_at(d, waits.next()).await {
                 Ok(n) => n,
                 Err(_) => {
-                    for (i, (s, _)) in targets.iter().enumerate() {
-                        s.track_response(done[i]);
+                    for (i, (s, target)) in targets.iter().enumerate() {
+                        s.track_response(done[i], *target);
                     }
                     return Release::ConsensusTimeout;
                 }
@@ -149,13 +161,13 @@ pub async fn broadcast(targets: Vec<(Arc<Subscriber>, u64)>, proportion: f64) ->
         let Some(i) = next else { break };
         done[i] = true;
         completed += 1;
-        if completed >= majority && deadline.is_none() && proportion >= 0.0 && completed < targets.len() {
+        if completed == majority && proportion >= 0.0 && completed < targets.len() {
             let grace = Duration::from_secs_f64((start.elapsed().as_secs_f64() * proportion).max(0.001));
             deadline = Some(tokio::time::Instant::now() + grace);
         }
     }
-    for (s, _) in &targets {
-        s.track_response(true);
+    for (s, target) in &targets {
+        s.track_response(true, *target);
     }
     Release::AllSubscribers
 }
@@ -271,7 +283,7 @@ mod tests {
                 healthy.consumed(0, None);
             }
             laggard.consumed(0, None);
-            laggard.track_response(false);
+            laggard.track_response(false, laggard.enqueued());
             f.check_laggards(t0 + Duration::from_millis(ms), grace);
         };
         for ms in [1000, 1500] {

@@ -9,18 +9,22 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::catchup;
+use crate::catchup::{CatchupOptions, Catchups};
 use crate::change::Change;
 use crate::forwarder::Forwarder;
 use crate::reservations::{Reservations, DEFAULT_RETENTION};
 use crate::status::Status;
 use crate::storage::LogReader;
 use crate::storer::{CatchupQueue, Storer};
-use crate::subscriber::{Entry, ErrorType, Subscriber};
+use crate::subscriber::{Entry, ErrorType, MemoryBudget, Subscriber};
 
 pub struct Hub {
     inner: Mutex<Inner>,
     reader: Arc<dyn LogReader>,
+    /// Catch-ups from the log, shared among subscribers at nearby positions.
+    catchups: Arc<Catchups>,
+    /// The memory budget every subscriber counts against.
+    budget: Arc<MemoryBudget>,
     status: Arc<Status>,
     /// Positions held for consumers between their connections.
     reservations: Arc<Reservations>,
@@ -49,13 +53,22 @@ enum StorerSlot {
 
 impl Hub {
     pub fn new(reader: Arc<dyn LogReader>, status: Arc<Status>) -> Arc<Hub> {
-        Hub::with_retention(reader, status, DEFAULT_RETENTION)
+        Hub::with_options(reader, status, DEFAULT_RETENTION, CatchupOptions::default(), Arc::default())
     }
 
     /// The same, keeping a disconnected consumer's position for `retention`
-    /// (see [`Reservations`]).
-    pub fn with_retention(reader: Arc<dyn LogReader>, status: Arc<Status>, retention: Duration) -> Arc<Hub> {
+    /// (see [`Reservations`]), running catch-ups with `catchup`, and
+    /// enforcing `budget` (the one the subscribers' limits carry).
+    pub fn with_options(
+        reader: Arc<dyn LogReader>,
+        status: Arc<Status>,
+        retention: Duration,
+        catchup: CatchupOptions,
+        budget: Arc<MemoryBudget>,
+    ) -> Arc<Hub> {
         Arc::new(Hub {
+            catchups: Catchups::new(reader.clone(), catchup, budget.clone()),
+            budget,
             inner: Mutex::new(Inner {
                 forwarder: Forwarder::default(),
                 storer: StorerSlot::Idle,
@@ -162,8 +175,11 @@ impl Hub {
     }
 
     fn start_direct_catchup(&self, sub: Arc<Subscriber>, rv: String) {
-        // Readers block (a Postgres reader drives its own connection).
-        tokio::task::block_in_place(|| catchup::pin_and_start(self.reader.as_ref(), sub, rv));
+        self.catchups.start([(sub, rv)]);
+    }
+
+    pub fn catchups(&self) -> &Arc<Catchups> {
+        &self.catchups
     }
 
     /// Stores and forwards one change, in lock step with subscriptions.
@@ -269,6 +285,28 @@ impl Hub {
 
     pub fn check_laggards(&self, grace: Option<Duration>) {
         self.lock().forwarder.check_laggards(Instant::now(), grace);
+    }
+
+    pub fn budget(&self) -> &Arc<MemoryBudget> {
+        &self.budget
+    }
+
+    /// While the memory budget is exceeded, closes the subscribers holding
+    /// the most, each above its share, until the rest fit. (Subscribers are
+    /// also closed as they receive more; this catches those that do not.)
+    pub fn enforce_budget(&self) {
+        let Some(mut excess) = self.budget.used().checked_sub(self.budget.view().budget_bytes) else { return };
+        let mut subscribers: Vec<(usize, Arc<Subscriber>)> =
+            self.lock().forwarder.subscribers().map(|s| (s.held(), s.clone())).collect();
+        subscribers.sort_by_key(|(held, _)| std::cmp::Reverse(*held));
+        let share = self.budget.share();
+        for (held, sub) in subscribers {
+            if excess == 0 || held <= share {
+                break;
+            }
+            sub.close_for_budget();
+            excess = excess.saturating_sub(held);
+        }
     }
 }
 

@@ -337,6 +337,15 @@ struct RunArgs {
     /// Backlog a catching-up subscriber may accumulate, in MiB.
     #[arg(long, default_value_t = 16, env = "SLUICE_BACKLOG_MB")]
     backlog_mb: usize,
+    /// Memory budget for everything held for subscribers (queued frames,
+    /// live backlogs, per-message bookkeeping), in MiB. Past it, subscribers
+    /// holding more than their share are closed and catch up later.
+    #[arg(long, default_value_t = 512, env = "SLUICE_SUBSCRIBER_MEMORY_MB")]
+    subscriber_memory_mb: usize,
+    /// Catch-up batch reads running at once (default: half the cores, at
+    /// least one); catch-ups over the same part of the log share them.
+    #[arg(long, env = "SLUICE_CATCHUP_READERS")]
+    catchup_readers: Option<usize>,
     /// Serve subscribers over TLS with this certificate chain (PEM); read
     /// again on SIGHUP.
     #[arg(long, env = "SLUICE_TLS_CERT", requires = "tls_key")]
@@ -639,7 +648,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         cleanup: Some(cleanup),
         subscriber_limits: sluice::subscriber::Limits {
             backlog_bytes: args.backlog_mb << 20,
+            budget: Arc::new(sluice::subscriber::MemoryBudget::new(args.subscriber_memory_mb << 20)),
             ..sluice::subscriber::Limits::default()
+        },
+        catchup: sluice::catchup::CatchupOptions {
+            readers: args.catchup_readers.unwrap_or(sluice::catchup::CatchupOptions::default().readers),
+            ..sluice::catchup::CatchupOptions::default()
         },
         filters,
         zero_permissions,

@@ -161,12 +161,51 @@ impl prometheus_client::collector::Collector for StatusCollector {
                 idle as f64 / 1e3,
             )?;
         }
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
         counter_value(
             &mut encoder,
             "catchup_changes",
             "Rows sent from the change log to catching-up subscribers (its rate is the catch-up throughput)",
             None,
-            crate::catchup::CHANGES_SENT.load(std::sync::atomic::Ordering::Relaxed) as f64,
+            crate::catchup::CHANGES_SENT.load(relaxed) as f64,
+        )?;
+        counter_value(
+            &mut encoder,
+            "catchup_rows_read",
+            "Rows read from the change log for catch-ups (shared scans read once for many subscribers)",
+            None,
+            crate::catchup::ROWS_READ.load(relaxed) as f64,
+        )?;
+        counter_value(
+            &mut encoder,
+            "catchup_scans",
+            "Snapshots of the change log pinned for catch-up scans",
+            None,
+            crate::catchup::SCANS.load(relaxed) as f64,
+        )?;
+        let catchup = self.hub.catchups().view();
+        gauge_value(&mut encoder, "catchup_scans_running", "Catch-up scans running now", None, catchup.scans as f64)?;
+        let budget = self.hub.budget().view();
+        gauge_value(
+            &mut encoder,
+            "subscriber_memory_budget",
+            "The memory budget for everything held for subscribers",
+            Some(&Unit::Bytes),
+            budget.budget_bytes as f64,
+        )?;
+        gauge_value(
+            &mut encoder,
+            "subscriber_memory",
+            "Memory held for subscribers: queued frames, live backlogs, per-message bookkeeping",
+            Some(&Unit::Bytes),
+            budget.used_bytes as f64,
+        )?;
+        counter_value(
+            &mut encoder,
+            "subscribers_closed_by_budget",
+            "Subscribers closed for holding more than their share of an exceeded memory budget",
+            None,
+            budget.closed_total as f64,
         )?;
         if let Some(purge) = &s.purge {
             counter_value(

@@ -54,6 +54,8 @@ pub struct ServiceConfig {
     /// How long a disconnected consumer's position is held (see
     /// `crate::reservations`).
     pub consumer_retention: Duration,
+    /// How catch-ups share reading the log.
+    pub catchup: crate::catchup::CatchupOptions,
     /// One line of progress every 10 s while transactions are stored.
     pub log_progress: bool,
     /// The endpoint's token and connection caps.
@@ -88,6 +90,7 @@ impl ServiceConfig {
             ready_backoff: Duration::from_secs(30),
             plugins: None,
             consumer_retention: crate::reservations::DEFAULT_RETENTION,
+            catchup: crate::catchup::CatchupOptions::default(),
             log_progress: false,
         }
     }
@@ -129,7 +132,13 @@ impl Replication {
 impl Service {
     pub async fn start(config: ServiceConfig) -> anyhow::Result<Service> {
         let status = Arc::new(Status::default());
-        let hub = Hub::with_retention(config.reader, status.clone(), config.consumer_retention);
+        let hub = Hub::with_options(
+            config.reader,
+            status.clone(),
+            config.consumer_retention,
+            config.catchup,
+            config.subscriber_limits.budget.clone(),
+        );
         let (stop, stop_rx) = watch::channel(false);
         let app = AppState {
             hub: hub.clone(),

@@ -15,10 +15,10 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::sync::{mpsc, Notify};
 
-use crate::catchup;
+use crate::catchup::Catchups;
 use crate::change::{Change, Kind};
 use crate::status::{Stage, Status};
-use crate::storage::{ChangeLog, LogReader, LogRow, NewLineage};
+use crate::storage::{ChangeLog, LogRow, NewLineage};
 use crate::subscriber::Subscriber;
 
 /// Tuning of the storer.
@@ -128,7 +128,7 @@ impl Storer {
     /// lineage (see [`Establish`]).
     pub fn start(
         log: Box<dyn ChangeLog>,
-        reader: Arc<dyn LogReader>,
+        catchup: Arc<Catchups>,
         options: StorerOptions,
         establish: Option<Establish>,
         durable: mpsc::UnboundedSender<Arc<str>>,
@@ -145,7 +145,7 @@ impl Storer {
         let exited = Arc::new(Exited::default());
         let worker_exited = exited.clone();
         let thread = tokio::task::spawn_blocking(move || {
-            let mut worker = Worker::new(log, reader, options, durable, status, worker_budget);
+            let mut worker = Worker::new(log, catchup, options, durable, status, worker_budget);
             worker.establish = establish;
             let result = worker.run(&mut rx);
             // Catch-ups this storer will never serve: their subscribers are
@@ -264,7 +264,7 @@ struct PendingRow {
 
 struct Worker {
     log: Box<dyn ChangeLog>,
-    reader: Arc<dyn LogReader>,
+    catchup: Arc<Catchups>,
     /// Subscribers waiting for the open transaction to end.
     catchups: Vec<(Arc<Subscriber>, String)>,
     options: StorerOptions,
@@ -291,7 +291,7 @@ struct Worker {
 impl Worker {
     fn new(
         log: Box<dyn ChangeLog>,
-        reader: Arc<dyn LogReader>,
+        catchup: Arc<Catchups>,
         options: StorerOptions,
         durable: mpsc::UnboundedSender<Arc<str>>,
         status: Arc<Status>,
@@ -299,7 +299,7 @@ impl Worker {
     ) -> Self {
         Worker {
             log,
-            reader,
+            catchup,
             catchups: Vec::new(),
             options,
             durable,
@@ -458,9 +458,7 @@ impl Worker {
         if self.storage_open {
             self.commit_group()?;
         }
-        for (sub, rv) in self.catchups.drain(..) {
-            catchup::pin_and_start(self.reader.as_ref(), sub, rv);
-        }
+        self.catchup.start(self.catchups.drain(..));
         Ok(())
     }
 
@@ -569,9 +567,9 @@ mod tests {
     }
 
     fn start(log: MemoryChangeLog, options: StorerOptions, establish: Option<Establish>) -> Running {
-        let reader = log.reader();
+        let catchup = Catchups::new(log.reader(), Default::default(), Arc::default());
         let (tx, durable) = mpsc::unbounded_channel();
-        let storer = Storer::start(Box::new(log), reader, options, establish, tx, Arc::new(Status::default()));
+        let storer = Storer::start(Box::new(log), catchup, options, establish, tx, Arc::new(Status::default()));
         Running { storer, durable }
     }
 

@@ -212,6 +212,9 @@ async fn pump(
                         Err(_) => break,
                     }
                 }
+                for frame in frames.iter().flatten() {
+                    sub.taken(frame);
+                }
                 let outcomes = match &filter {
                     Some(group) if !filter_failed => match filter_frames(group, &frames).await {
                         Ok(o) => o,

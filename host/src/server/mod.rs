@@ -120,6 +120,8 @@ async fn status_json(State(state): State<AppState>) -> Json<serde_json::Value> {
         map.insert("reservations".into(), reservations.into());
         let views = state.hub.subscriber_views();
         map.insert("subscriberPositions".into(), serde_json::to_value(views).unwrap_or_default());
+        map.insert("subscriberMemory".into(), serde_json::to_value(state.hub.budget().view()).unwrap_or_default());
+        map.insert("catchup".into(), serde_json::to_value(state.hub.catchups().view()).unwrap_or_default());
     }
     Json(status)
 }

@@ -382,7 +382,7 @@ impl Streamer {
         let log = self.log.take().expect("the change log is home between passes");
         let storer = Storer::start(
             log,
-            self.hub.reader().clone(),
+            self.hub.catchups().clone(),
             self.options.storer,
             establish,
             durable_tx,

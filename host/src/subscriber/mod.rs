@@ -20,11 +20,19 @@ use tokio::sync::{mpsc, watch};
 
 use crate::change::{Change, Kind};
 
+pub mod budget;
+
+pub use budget::MemoryBudget;
+
+/// The queue entry and bookkeeping of one message, held until it is
+/// acknowledged (the JSON itself is held only until it is written).
+const MESSAGE_OVERHEAD: usize = 96;
+
 /// What one queued message costs this subscriber: its JSON (shared with the
 /// other subscribers, but pinned by this one until consumed) plus the queue
 /// entry and bookkeeping of its own.
 fn queued_cost(json_len: usize) -> usize {
-    json_len + 96
+    json_len + MESSAGE_OVERHEAD
 }
 
 /// Zero's error types for subscribers.
@@ -57,7 +65,7 @@ pub enum Frame {
     Close,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Limits {
     /// Backlog kept while catching up; beyond it the subscriber is closed
     /// (it reconnects and catches up further from the log).
@@ -65,11 +73,13 @@ pub struct Limits {
     /// Sent but unconsumed bytes a caught-up subscriber may have; beyond it
     /// the subscriber is closed the same way.
     pub pending_bytes: usize,
+    /// Shared by every subscriber of the service (see [`budget`]).
+    pub budget: Arc<MemoryBudget>,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { backlog_bytes: 16 << 20, pending_bytes: 64 << 20 }
+        Limits { backlog_bytes: 16 << 20, pending_bytes: 64 << 20, budget: Arc::new(MemoryBudget::default()) }
     }
 }
 
@@ -95,6 +105,8 @@ pub struct Subscriber {
     consumed: watch::Sender<u64>,
     /// Messages handed to the connection so far.
     enqueued: AtomicU64,
+    /// What this subscriber counts against the memory budget.
+    held: AtomicUsize,
 }
 
 struct State {
@@ -107,6 +119,8 @@ struct State {
     initialized: bool,
     closed: bool,
     missed_last_timeout: bool,
+    /// Messages it had to consume by the deadline it missed.
+    missed_target: u64,
     lagging_since: Option<Instant>,
     samples: VecDeque<(Instant, u64)>,
 }
@@ -123,6 +137,8 @@ pub struct SubscriberView {
     pub acked: String,
     /// Bytes queued for it or in flight, not yet consumed.
     pub pending_bytes: usize,
+    /// What it counts against the subscribers' memory budget.
+    pub held_bytes: usize,
     /// Still reading the change log (not yet following live).
     pub catching_up: bool,
     /// How long it has been lagging behind the live stream (0: it is not).
@@ -145,6 +161,7 @@ impl Subscriber {
     ) -> (Arc<Subscriber>, Connection) {
         let (out, frames) = mpsc::unbounded_channel();
         let w: Arc<str> = watermark.as_str().into();
+        limits.budget.joined();
         let sub = Subscriber {
             id,
             task_id,
@@ -160,6 +177,7 @@ impl Subscriber {
                 initialized: false,
                 closed: false,
                 missed_last_timeout: false,
+                missed_target: 0,
                 lagging_since: None,
                 samples: VecDeque::from([(Instant::now(), 0)]),
             }),
@@ -167,6 +185,7 @@ impl Subscriber {
             pending_bytes: AtomicUsize::new(0),
             consumed: watch::channel(0).0,
             enqueued: AtomicU64::new(0),
+            held: AtomicUsize::new(0),
         };
         (Arc::new(sub), Connection { frames })
     }
@@ -184,6 +203,7 @@ impl Subscriber {
             sent: st.watermark.to_string(),
             acked: st.acked.to_string(),
             pending_bytes: self.pending_bytes(),
+            held_bytes: self.held(),
             catching_up: st.backlog.is_some(),
             lagging_ms: st.lagging_since.map_or(0, |since| since.elapsed().as_millis() as u64),
         }
@@ -207,7 +227,10 @@ impl Subscriber {
         if let Some(backlog) = st.backlog.as_mut() {
             backlog.push_back(entry.clone());
             st.backlog_bytes += entry.change.json.len();
-            if st.backlog_bytes > self.limits.backlog_bytes {
+            self.charge(entry.change.json.len());
+            if !st.closed && self.over_share() {
+                self.close_over_budget(&mut st);
+            } else if st.backlog_bytes > self.limits.backlog_bytes {
                 tracing::info!(
                     subscriber = %self.id,
                     "live backlog passed {} MiB while catching up; closing so it reconnects and catches up from the log",
@@ -218,6 +241,72 @@ impl Subscriber {
             return;
         }
         self.send_change(&mut st, entry);
+        if !st.closed && self.over_share() {
+            self.close_over_budget(&mut st);
+        }
+    }
+
+    /// The memory budget is exceeded and this subscriber holds more than
+    /// its share of it.
+    fn over_share(&self) -> bool {
+        let budget = &self.limits.budget;
+        budget.exceeded() && self.held() > budget.share()
+    }
+
+    /// Closes it for holding more than its share of an exceeded budget.
+    pub fn close_for_budget(&self) {
+        let mut st = self.lock();
+        if !st.closed {
+            self.close_over_budget(&mut st);
+        }
+    }
+
+    fn close_over_budget(&self, st: &mut State) {
+        let budget = &self.limits.budget;
+        tracing::info!(
+            subscriber = %self.id,
+            "subscribers hold more than the {} MiB memory budget and this one holds {} KiB (its share: {} KiB); \
+             closing it so it reconnects and catches up from the log",
+            budget.view().budget_bytes >> 20,
+            self.held() >> 10,
+            budget.share() >> 10
+        );
+        budget.count_closed();
+        self.close_locked(
+            st,
+            Some((
+                ErrorType::StreamTooFarBehind,
+                format!(
+                    "subscriber memory budget exceeded: held {} bytes, share {} bytes",
+                    self.held(),
+                    budget.share()
+                ),
+            )),
+        );
+    }
+
+    /// What this subscriber counts against the memory budget.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Acquire)
+    }
+
+    fn charge(&self, bytes: usize) {
+        self.held.fetch_add(bytes, Ordering::AcqRel);
+        self.limits.budget.charge(bytes);
+    }
+
+    fn release(&self, bytes: usize) {
+        let before = self.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| Some(h.saturating_sub(bytes)));
+        let before = before.unwrap_or_else(|h| h);
+        self.limits.budget.release(bytes.min(before));
+    }
+
+    /// The connection took `frame` off its queue: its JSON is no longer
+    /// held for this subscriber (its bookkeeping is, until acknowledged).
+    pub fn taken(&self, frame: &Frame) {
+        if let Frame::Message { json, .. } = frame {
+            self.release(json.len());
+        }
     }
 
     /// A change read from the change log during catch-up.
@@ -230,6 +319,21 @@ impl Subscriber {
         self.send_change(&mut st, entry);
     }
 
+    /// Changes read from the change log during catch-up, in order.
+    pub fn catchup_many(&self, entries: &[Entry]) {
+        let mut st = self.lock();
+        if st.closed {
+            return;
+        }
+        self.initialize(&mut st);
+        for entry in entries {
+            self.send_change(&mut st, entry);
+            if st.closed {
+                return;
+            }
+        }
+    }
+
     /// Catch-up is done: send the backlog, then go live.
     pub fn set_caught_up(&self) {
         let mut st = self.lock();
@@ -238,6 +342,7 @@ impl Subscriber {
         }
         self.initialize(&mut st);
         if let Some(backlog) = st.backlog.take() {
+            self.release(st.backlog_bytes);
             st.backlog_bytes = 0;
             for entry in &backlog {
                 self.send_change(&mut st, entry);
@@ -271,6 +376,7 @@ impl Subscriber {
     fn push(&self, st: &mut State, json: Arc<str>, commit: Option<Arc<str>>) {
         let cost = queued_cost(json.len());
         let pending = self.pending_bytes.fetch_add(cost, Ordering::AcqRel) + cost;
+        self.charge(cost);
         self.enqueued.fetch_add(1, Ordering::AcqRel);
         if self.out.send(Frame::Message { json, commit }).is_err() {
             st.closed = true;
@@ -291,6 +397,7 @@ impl Subscriber {
     pub fn consumed(&self, bytes: usize, commit: Option<&Arc<str>>) {
         let cost = queued_cost(bytes);
         let _ = self.pending_bytes.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| Some(p.saturating_sub(cost)));
+        self.release(MESSAGE_OVERHEAD);
         if let Some(w) = commit {
             let mut st = self.lock();
             if **w > *st.acked {
@@ -364,6 +471,7 @@ impl Subscriber {
         }
         st.closed = true;
         st.backlog = None;
+        self.release(st.backlog_bytes);
         st.backlog_bytes = 0;
         let frame = match error {
             Some((kind, message)) => {
@@ -380,12 +488,30 @@ impl Subscriber {
 
     // ---- Laggard detection (Zero's progress monitor) ----
 
-    pub fn track_response(&self, on_time: bool) {
+    /// The outcome of a flow-control wait for `target` messages consumed.
+    pub fn track_response(&self, on_time: bool, target: u64) {
         let mut st = self.lock();
         st.missed_last_timeout = !on_time;
+        if !on_time {
+            st.missed_target = target;
+        }
         if on_time {
             st.lagging_since = None;
         }
+    }
+
+    /// Whether flow control waits for this subscriber. Not before it has
+    /// acknowledged anything (a peer that never acks cannot hold the stream
+    /// for everyone), nor after it missed a deadline until it has consumed
+    /// what it had to by then (the laggard check deals with it meanwhile).
+    /// A backup replicator is always waited for, as in Zero.
+    pub fn holds_flow_control(&self) -> bool {
+        if self.mode == Mode::Backup {
+            return true;
+        }
+        let consumed = *self.consumed.borrow();
+        let st = self.lock();
+        consumed > 0 && !(st.missed_last_timeout && consumed < st.missed_target)
     }
 
     pub fn missed_last_timeout(&self) -> bool {
@@ -422,6 +548,14 @@ impl Subscriber {
         }
         let since = *st.lagging_since.get_or_insert(now);
         now - since
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        // Whatever is still queued goes with the connection.
+        self.limits.budget.release(self.held());
+        self.limits.budget.left();
     }
 }
 
@@ -516,7 +650,7 @@ mod tests {
         assert_eq!(s.report_lag(t0 + Duration::from_millis(500), true), Duration::from_millis(500));
         assert_eq!(s.report_lag(t0 + Duration::from_millis(600), false), Duration::ZERO);
         assert_eq!(s.report_lag(t0 + Duration::from_millis(700), true), Duration::ZERO);
-        s.track_response(true);
+        s.track_response(true, 0);
         assert_eq!(s.report_lag(t0 + Duration::from_millis(900), true), Duration::ZERO);
     }
 }

@@ -1,0 +1,328 @@
+//! One shared scan of the change log: read a batch, encode it once, hand it
+//! to every member past its own position, then wait for the members.
+//!
+//! A member that falls behind the others leaves the scan (it keeps its
+//! position) and rejoins [`Catchups`] once it has room again, so one slow
+//! subscriber does not hold the rest.
+
+use std::cmp::Ordering as Cmp;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+
+use super::{Catchups, CATCHUP_READ_ROWS, ROWS_READ, SCANS};
+use crate::change::Change;
+use crate::storage::{LogSnapshot, StoredRow};
+use crate::subscriber::{Entry, ErrorType, Subscriber};
+
+/// A place in the log: a transaction's commit watermark and a row position
+/// in it; `i64::MAX` stands for the whole transaction.
+type Position = (Arc<str>, i64);
+
+fn cmp(a: (&str, i64), b: &Position) -> Cmp {
+    a.cmp(&(&*b.0, b.1))
+}
+
+/// How long a scan whose members all lack room waits before letting them
+/// all go (which releases its snapshot); each rejoins once it has room.
+const STALL: Duration = Duration::from_secs(5);
+/// The least time members that lack room get once another has room.
+const MIN_GRACE: Duration = Duration::from_millis(250);
+
+/// A subscriber in a scan.
+pub(super) struct Member {
+    pub sub: Arc<Subscriber>,
+    /// Every row up to here was handed over, or the subscriber holds it.
+    at: Position,
+    /// The row at the subscriber's start was seen (or it starts at the
+    /// replica version, which has no row to match).
+    found: bool,
+    /// The [`Catchups::start`] call that brought it.
+    epoch: u64,
+}
+
+impl Member {
+    pub fn new(sub: Arc<Subscriber>, replica_version: &str, epoch: u64) -> Member {
+        let at = (Arc::from(sub.start.as_str()), i64::MAX);
+        Member { found: sub.start == replica_version, at, sub, epoch }
+    }
+
+    /// Hands over the rows of a batch that lie after this member's position.
+    fn take(&mut self, rows: &[StoredRow], entries: &[Entry]) {
+        let mut first = None;
+        for (i, row) in rows.iter().enumerate() {
+            if !self.found {
+                match row.watermark.as_str().cmp(self.sub.start.as_str()) {
+                    Cmp::Less => continue,
+                    Cmp::Equal => self.found = true,
+                    Cmp::Greater => {
+                        self.sub.close(Some((
+                            ErrorType::WatermarkTooOld,
+                            format!("earliest supported watermark is {} (requested {})", row.watermark, self.sub.start),
+                        )));
+                        return;
+                    }
+                }
+            }
+            if cmp((&row.watermark, row.pos), &self.at) == Cmp::Greater {
+                first = Some(i);
+                break;
+            }
+        }
+        if let Some(i) = first {
+            self.sub.catchup_many(&entries[i..]);
+            Catchups::count_sent(entries.len() - i);
+        }
+        if let Some(last) = rows.last() {
+            if cmp((&last.watermark, last.pos), &self.at) == Cmp::Greater {
+                self.at = (last.watermark.as_str().into(), last.pos);
+            }
+        }
+    }
+
+    /// The snapshot ended and holds everything this member needs.
+    fn caught_up(self, last_watermark: &str) {
+        if !self.found && self.sub.start.as_str() > last_watermark {
+            // Forwarding runs ahead of storage, so a subscriber can be ahead
+            // of the log; it dedups the live changes it already has.
+            tracing::info!(subscriber = %self.sub.id, "subscriber at {} is ahead of the change log ({last_watermark})", self.sub.start);
+        }
+        tracing::debug!(subscriber = %self.sub.id, "caught up");
+        self.sub.set_caught_up();
+    }
+}
+
+pub(super) struct Scan {
+    state: Mutex<ScanState>,
+}
+
+struct ScanState {
+    /// Rows from this watermark on are read.
+    from: Arc<str>,
+    /// The last row read (or skipped over).
+    cursor: Option<Position>,
+    members: Vec<Member>,
+    /// Ended: it takes no one any more.
+    done: bool,
+}
+
+/// How a batch ended.
+enum Batch {
+    More,
+    /// The snapshot is read; members that joined after it was pinned remain.
+    EndOfSnapshot,
+    Done,
+}
+
+impl ScanState {
+    /// Where the next read starts: after the cursor, or further on when every
+    /// member already holds more (a subscriber at a snapshot's transaction
+    /// needs none of its rows; 1M rows took 25 s to skip one by one).
+    fn next_read(&self) -> (Arc<str>, Option<Position>) {
+        let mut after = self.cursor.clone();
+        if self.members.iter().all(|m| m.found) {
+            let lowest = self.members.iter().map(|m| &m.at).min_by(|a, b| cmp((&a.0, a.1), b));
+            if let Some(lowest) = lowest {
+                if after.as_ref().is_none_or(|a| cmp((&a.0, a.1), lowest) == Cmp::Less) {
+                    after = Some(lowest.clone());
+                }
+            }
+        }
+        (self.from.clone(), after)
+    }
+}
+
+impl Scan {
+    pub fn new(first: Member) -> Arc<Scan> {
+        let from = first.at.0.clone();
+        Arc::new(Scan { state: Mutex::new(ScanState { from, cursor: None, members: vec![first], done: false }) })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ScanState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.lock().done
+    }
+
+    pub fn members(&self) -> usize {
+        self.lock().members.len()
+    }
+
+    /// Takes `member` if this scan has not yet passed its position; gives it
+    /// back otherwise.
+    pub fn admit(&self, mut member: Member) -> Option<Member> {
+        let mut st = self.lock();
+        if st.done {
+            return Some(member);
+        }
+        match &st.cursor {
+            None => {
+                if member.at.0 < st.from {
+                    st.from = member.at.0.clone();
+                }
+            }
+            Some(cursor) => {
+                if cmp((&cursor.0, cursor.1), &member.at) == Cmp::Greater {
+                    return Some(member);
+                }
+                // The scan has read rows of the member's start: it is in the log.
+                if *cursor.0 == *member.sub.start {
+                    member.found = true;
+                }
+            }
+        }
+        st.members.push(member);
+        None
+    }
+
+    /// Reads the next batch and hands it to the members. `pinned` is the
+    /// epoch the snapshot covers.
+    fn read_and_hand_out(&self, snapshot: &mut dyn LogSnapshot, pinned: u64) -> anyhow::Result<Batch> {
+        let (from, after) = {
+            let mut st = self.lock();
+            if st.members.is_empty() {
+                st.done = true;
+                return Ok(Batch::Done);
+            }
+            st.next_read()
+        };
+        let rows = snapshot.read(&from, after.as_ref().map(|(w, p)| (&**w, *p)), CATCHUP_READ_ROWS)?;
+        ROWS_READ.fetch_add(rows.len() as u64, Ordering::Relaxed);
+        // Encoded once for every member.
+        let entries: Vec<Entry> = rows
+            .iter()
+            .map(|row| Entry {
+                watermark: row.watermark.as_str().into(),
+                change: Change::from_stored(&row.tag, &row.change, &row.watermark),
+            })
+            .collect();
+        let mut st = self.lock();
+        for m in &mut st.members {
+            m.take(&rows, &entries);
+        }
+        st.members.retain(|m| !m.sub.is_closed());
+        st.cursor = match rows.last() {
+            Some(last) => Some((last.watermark.as_str().into(), last.pos)),
+            None => after.or(st.cursor.take()),
+        };
+        if rows.len() == CATCHUP_READ_ROWS {
+            if st.members.is_empty() {
+                st.done = true;
+                return Ok(Batch::Done);
+            }
+            return Ok(Batch::More);
+        }
+        // The end of this snapshot: the members it covers are caught up.
+        let last = snapshot.last_watermark();
+        for m in st.members.extract_if(.., |m| m.epoch <= pinned) {
+            m.caught_up(last);
+        }
+        if st.members.is_empty() {
+            st.done = true;
+            Ok(Batch::Done)
+        } else {
+            Ok(Batch::EndOfSnapshot)
+        }
+    }
+
+    /// Ends the scan (it failed): its members, to be closed.
+    fn end(&self) -> Vec<Member> {
+        let mut st = self.lock();
+        st.done = true;
+        std::mem::take(&mut st.members)
+    }
+
+    /// Takes out the members still without room for the next batch.
+    fn detach_slow(&self, window: usize) -> Vec<Member> {
+        let mut st = self.lock();
+        st.members.extract_if(.., |m| !m.sub.is_closed() && m.sub.pending_bytes() >= window).collect()
+    }
+
+    fn subscribers(&self) -> Vec<Arc<Subscriber>> {
+        self.lock().members.iter().map(|m| m.sub.clone()).collect()
+    }
+}
+
+impl Catchups {
+    /// Runs one scan until it has no members left.
+    pub(super) async fn run(self: Arc<Self>, scan: Arc<Scan>) {
+        if let Err(e) = self.run_scan(&scan).await {
+            tracing::warn!("catch-up failed, closing its subscribers so they retry: {e:#}");
+            for m in scan.end() {
+                m.sub.close(None);
+            }
+        }
+    }
+
+    async fn run_scan(self: &Arc<Self>, scan: &Arc<Scan>) -> anyhow::Result<()> {
+        loop {
+            let mut permit = Some(self.permits.clone().acquire_owned().await?);
+            let pinned = self.epoch();
+            let reader = self.reader.clone();
+            let mut snapshot = tokio::task::spawn_blocking(move || reader.snapshot()).await??;
+            SCANS.fetch_add(1, Ordering::Relaxed);
+            loop {
+                let held = match permit.take() {
+                    Some(p) => p,
+                    None => self.permits.clone().acquire_owned().await?,
+                };
+                let shared = scan.clone();
+                let (snap, batch) = tokio::task::spawn_blocking(move || {
+                    let batch = shared.read_and_hand_out(snapshot.as_mut(), pinned);
+                    (snapshot, batch)
+                })
+                .await?;
+                snapshot = snap;
+                drop(held);
+                match batch? {
+                    Batch::More => self.pace(scan).await,
+                    Batch::EndOfSnapshot => break,
+                    Batch::Done => return Ok(()),
+                }
+            }
+        }
+    }
+
+    /// Waits until the members have room for another batch. Once one has,
+    /// the others get a grace in proportion to the wait (as Zero's flow
+    /// control does); those still without room then leave the scan and
+    /// rejoin on their own once they have it.
+    async fn pace(self: &Arc<Self>, scan: &Arc<Scan>) {
+        let window = self.window();
+        let has_room = |s: &Subscriber| s.is_closed() || s.pending_bytes() < window;
+        let members = scan.subscribers();
+        let mut waits: FuturesUnordered<_> = members
+            .iter()
+            .filter(|s| !has_room(s))
+            .map(|s| {
+                let s = s.clone();
+                async move { s.wait_pending_below(window).await }
+            })
+            .collect();
+        if waits.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        if waits.len() == members.len() && tokio::time::timeout(STALL, waits.next()).await.is_err() {
+            self.detach_slow(scan, window);
+            return;
+        }
+        let grace = (started.elapsed() * 2).max(MIN_GRACE);
+        let _ = tokio::time::timeout(grace, async { while waits.next().await.is_some() {} }).await;
+        self.detach_slow(scan, window);
+    }
+
+    fn detach_slow(self: &Arc<Self>, scan: &Scan, window: usize) {
+        for member in scan.detach_slow(window) {
+            let catchups = self.clone();
+            tokio::spawn(async move {
+                member.sub.wait_pending_below(window).await;
+                catchups.rejoin(member);
+            });
+        }
+    }
+}
