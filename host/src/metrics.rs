@@ -161,29 +161,28 @@ impl prometheus_client::collector::Collector for StatusCollector {
                 idle as f64 / 1e3,
             )?;
         }
-        let relaxed = std::sync::atomic::Ordering::Relaxed;
+        let catchup = self.hub.catchups().view();
         counter_value(
             &mut encoder,
             "catchup_changes",
             "Rows sent from the change log to catching-up subscribers (its rate is the catch-up throughput)",
             None,
-            crate::catchup::CHANGES_SENT.load(relaxed) as f64,
+            catchup.changes_sent as f64,
         )?;
         counter_value(
             &mut encoder,
             "catchup_rows_read",
             "Rows read from the change log for catch-ups (shared scans read once for many subscribers)",
             None,
-            crate::catchup::ROWS_READ.load(relaxed) as f64,
+            catchup.rows_read as f64,
         )?;
         counter_value(
             &mut encoder,
             "catchup_scans",
             "Snapshots of the change log pinned for catch-up scans",
             None,
-            crate::catchup::SCANS.load(relaxed) as f64,
+            catchup.scans_total as f64,
         )?;
-        let catchup = self.hub.catchups().view();
         gauge_value(&mut encoder, "catchup_scans_running", "Catch-up scans running now", None, catchup.scans as f64)?;
         let budget = self.hub.budget().view();
         gauge_value(

@@ -31,14 +31,16 @@ use scan::{Member, Scan};
 /// Rows per read.
 pub const CATCHUP_READ_ROWS: usize = 1000;
 
-/// Rows handed to catching-up subscribers, summed over subscribers
-/// (`sluice_catchup_changes_total`; its rate is the catch-up throughput).
-pub static CHANGES_SENT: AtomicU64 = AtomicU64::new(0);
-/// Rows read from the change log for catch-ups (`sluice_catchup_rows_read_total`).
-/// Far below `CHANGES_SENT` when scans are shared.
-pub static ROWS_READ: AtomicU64 = AtomicU64::new(0);
-/// Snapshots of the log pinned for catch-up scans (`sluice_catchup_scans_total`).
-pub static SCANS: AtomicU64 = AtomicU64::new(0);
+/// What catch-ups have done so far (for `/status` and `/metrics`).
+#[derive(Debug, Default)]
+struct Counters {
+    /// Rows handed to catching-up subscribers, summed over subscribers.
+    sent: AtomicU64,
+    /// Rows read from the change log: far fewer when scans are shared.
+    read: AtomicU64,
+    /// Snapshots of the log pinned for scans.
+    scans: AtomicU64,
+}
 
 /// How catch-ups are run.
 #[derive(Debug, Clone, Copy)]
@@ -65,6 +67,7 @@ pub struct Catchups {
     /// window shrinks to its share.
     budget: Arc<MemoryBudget>,
     permits: Arc<Semaphore>,
+    counters: Counters,
     inner: Mutex<Inner>,
 }
 
@@ -83,12 +86,20 @@ pub struct CatchupView {
     pub scans: usize,
     /// Subscribers being served by them.
     pub members: usize,
+    /// Rows handed to catching-up subscribers so far, summed over
+    /// subscribers (its rate is the catch-up throughput).
+    pub changes_sent: u64,
+    /// Rows read from the change log for them so far.
+    pub rows_read: u64,
+    /// Snapshots of the log pinned for scans so far.
+    pub scans_total: u64,
 }
 
 impl Catchups {
     pub fn new(reader: Arc<dyn LogReader>, options: CatchupOptions, budget: Arc<MemoryBudget>) -> Arc<Catchups> {
         let permits = Arc::new(Semaphore::new(options.readers.max(1)));
-        Arc::new(Catchups { reader, options, budget, permits, inner: Mutex::new(Inner::default()) })
+        let (counters, inner) = (Counters::default(), Mutex::new(Inner::default()));
+        Arc::new(Catchups { reader, options, budget, permits, counters, inner })
     }
 
     /// Catch-up rows one subscriber may hold unconsumed now.
@@ -149,11 +160,14 @@ impl Catchups {
     pub fn view(&self) -> CatchupView {
         let inner = self.lock();
         let live: Vec<_> = inner.scans.iter().filter(|s| !s.is_done()).collect();
-        CatchupView { scans: live.len(), members: live.iter().map(|s| s.members()).sum() }
-    }
-
-    fn count_sent(n: usize) {
-        CHANGES_SENT.fetch_add(n as u64, Ordering::Relaxed);
+        let count = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        CatchupView {
+            scans: live.len(),
+            members: live.iter().map(|s| s.members()).sum(),
+            changes_sent: count(&self.counters.sent),
+            rows_read: count(&self.counters.read),
+            scans_total: count(&self.counters.scans),
+        }
     }
 }
 
@@ -295,7 +309,8 @@ mod tests {
         assert_eq!(snapshots.load(Ordering::Relaxed), 1, "one scan for all");
         let total = log.reader().snapshot().unwrap().read("", None, usize::MAX).unwrap().len();
         assert!(read.load(Ordering::Relaxed) <= total, "the log ({total} rows) was read once: {read:?} rows");
-        assert_eq!(catchups.view(), CatchupView::default(), "the scan ended with its members");
+        let view = catchups.view();
+        assert_eq!((view.scans, view.members), (0, 0), "the scan ended with its members");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 
-use super::{Catchups, CATCHUP_READ_ROWS, ROWS_READ, SCANS};
+use super::{Catchups, Counters, CATCHUP_READ_ROWS};
 use crate::change::Change;
 use crate::storage::{LogSnapshot, StoredRow};
 use crate::subscriber::{Entry, ErrorType, Subscriber};
@@ -49,8 +49,9 @@ impl Member {
         Member { found: sub.start == replica_version, at, sub, epoch }
     }
 
-    /// Hands over the rows of a batch that lie after this member's position.
-    fn take(&mut self, rows: &[StoredRow], entries: &[Entry]) {
+    /// Hands over the rows of a batch that lie after this member's
+    /// position; returns how many.
+    fn take(&mut self, rows: &[StoredRow], entries: &[Entry]) -> usize {
         let mut first = None;
         for (i, row) in rows.iter().enumerate() {
             if !self.found {
@@ -62,7 +63,7 @@ impl Member {
                             ErrorType::WatermarkTooOld,
                             format!("earliest supported watermark is {} (requested {})", row.watermark, self.sub.start),
                         )));
-                        return;
+                        return 0;
                     }
                 }
             }
@@ -71,15 +72,14 @@ impl Member {
                 break;
             }
         }
-        if let Some(i) = first {
-            self.sub.catchup_many(&entries[i..]);
-            Catchups::count_sent(entries.len() - i);
-        }
         if let Some(last) = rows.last() {
             if cmp((&last.watermark, last.pos), &self.at) == Cmp::Greater {
                 self.at = (last.watermark.as_str().into(), last.pos);
             }
         }
+        let Some(i) = first else { return 0 };
+        self.sub.catchup_many(&entries[i..]);
+        entries.len() - i
     }
 
     /// The snapshot ended and holds everything this member needs.
@@ -181,7 +181,12 @@ impl Scan {
 
     /// Reads the next batch and hands it to the members. `pinned` is the
     /// epoch the snapshot covers.
-    fn read_and_hand_out(&self, snapshot: &mut dyn LogSnapshot, pinned: u64) -> anyhow::Result<Batch> {
+    fn read_and_hand_out(
+        &self,
+        snapshot: &mut dyn LogSnapshot,
+        pinned: u64,
+        counters: &Counters,
+    ) -> anyhow::Result<Batch> {
         let (from, after) = {
             let mut st = self.lock();
             if st.members.is_empty() {
@@ -191,7 +196,7 @@ impl Scan {
             st.next_read()
         };
         let rows = snapshot.read(&from, after.as_ref().map(|(w, p)| (&**w, *p)), CATCHUP_READ_ROWS)?;
-        ROWS_READ.fetch_add(rows.len() as u64, Ordering::Relaxed);
+        counters.read.fetch_add(rows.len() as u64, Ordering::Relaxed);
         // Encoded once for every member.
         let entries: Vec<Entry> = rows
             .iter()
@@ -201,9 +206,8 @@ impl Scan {
             })
             .collect();
         let mut st = self.lock();
-        for m in &mut st.members {
-            m.take(&rows, &entries);
-        }
+        let sent: usize = st.members.iter_mut().map(|m| m.take(&rows, &entries)).sum();
+        counters.sent.fetch_add(sent as u64, Ordering::Relaxed);
         st.members.retain(|m| !m.sub.is_closed());
         st.cursor = match rows.last() {
             Some(last) => Some((last.watermark.as_str().into(), last.pos)),
@@ -264,15 +268,15 @@ impl Catchups {
             let pinned = self.epoch();
             let reader = self.reader.clone();
             let mut snapshot = tokio::task::spawn_blocking(move || reader.snapshot()).await??;
-            SCANS.fetch_add(1, Ordering::Relaxed);
+            self.counters.scans.fetch_add(1, Ordering::Relaxed);
             loop {
                 let held = match permit.take() {
                     Some(p) => p,
                     None => self.permits.clone().acquire_owned().await?,
                 };
-                let shared = scan.clone();
+                let (shared, catchups) = (scan.clone(), self.clone());
                 let (snap, batch) = tokio::task::spawn_blocking(move || {
-                    let batch = shared.read_and_hand_out(snapshot.as_mut(), pinned);
+                    let batch = shared.read_and_hand_out(snapshot.as_mut(), pinned, &catchups.counters);
                     (snapshot, batch)
                 })
                 .await?;

@@ -215,6 +215,15 @@ async fn pump(
                 for frame in frames.iter().flatten() {
                     sub.taken(frame);
                 }
+                if sub.is_closed() {
+                    // Closed (for its limits or the memory budget): what is
+                    // still queued would only delay the error message behind
+                    // it; the peer resumes from its last commit anyway.
+                    frames.retain(|f| !matches!(f, Some(Frame::Message { .. })));
+                    if frames.is_empty() {
+                        continue;
+                    }
+                }
                 let outcomes = match &filter {
                     Some(group) if !filter_failed => match filter_frames(group, &frames).await {
                         Ok(o) => o,

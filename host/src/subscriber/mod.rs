@@ -228,7 +228,7 @@ impl Subscriber {
             backlog.push_back(entry.clone());
             st.backlog_bytes += entry.change.json.len();
             self.charge(entry.change.json.len());
-            if !st.closed && self.over_share() {
+            if !st.closed && self.over_share(&st) {
                 self.close_over_budget(&mut st);
             } else if st.backlog_bytes > self.limits.backlog_bytes {
                 tracing::info!(
@@ -241,16 +241,22 @@ impl Subscriber {
             return;
         }
         self.send_change(&mut st, entry);
-        if !st.closed && self.over_share() {
+        if !st.closed && self.over_share(&st) {
             self.close_over_budget(&mut st);
         }
     }
 
     /// The memory budget is exceeded and this subscriber holds more than
-    /// its share of it.
-    fn over_share(&self) -> bool {
+    /// its share of it. One that keeps acknowledging in time (it holds flow
+    /// control) only has a backlog of the moment, and is let be up to four
+    /// shares.
+    fn over_share(&self, st: &State) -> bool {
         let budget = &self.limits.budget;
-        budget.exceeded() && self.held() > budget.share()
+        if !budget.exceeded() {
+            return false;
+        }
+        let held = self.held();
+        held > budget.share() && (held > 4 * budget.share() || !self.flow_control_locked(st))
     }
 
     /// Closes it for holding more than its share of an exceeded budget.
@@ -471,8 +477,11 @@ impl Subscriber {
         }
         st.closed = true;
         st.backlog = None;
-        self.release(st.backlog_bytes);
         st.backlog_bytes = 0;
+        // It takes nothing more and its connection ends soon: what it holds
+        // no longer counts against the budget, so the budget stops pressing
+        // on the others at once.
+        self.release(self.held());
         let frame = match error {
             Some((kind, message)) => {
                 let mut json = format!("[\"error\",{{\"type\":{},\"message\":", kind as u8);
@@ -506,11 +515,14 @@ impl Subscriber {
     /// what it had to by then (the laggard check deals with it meanwhile).
     /// A backup replicator is always waited for, as in Zero.
     pub fn holds_flow_control(&self) -> bool {
+        self.flow_control_locked(&self.lock())
+    }
+
+    fn flow_control_locked(&self, st: &State) -> bool {
         if self.mode == Mode::Backup {
             return true;
         }
         let consumed = *self.consumed.borrow();
-        let st = self.lock();
         consumed > 0 && !(st.missed_last_timeout && consumed < st.missed_target)
     }
 
