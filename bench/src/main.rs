@@ -17,6 +17,7 @@ use sluice::storage::{ChangeLog, LogReader};
 
 mod custom_source;
 mod filters;
+mod fleet;
 mod mariadb_source;
 mod pg_source;
 mod zero_cache;
@@ -30,7 +31,7 @@ async fn main() -> anyhow::Result<()> {
     let tmp = std::env::temp_dir().join(format!("sluice-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
     let registry = std::sync::Arc::new(Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?);
-    // `sluice-bench [boundary|store|custom|postgres|pgsource|tls|zero|mariadb|fanout|filters|filter-cost|catchup ...]`: all by default.
+    // `sluice-bench [boundary|store|custom|postgres|pgsource|tls|zero|mariadb|fanout|fleet|filters|filter-cost|catchup ...]`: all by default.
     let only: Vec<String> = std::env::args().skip(1).collect();
     let run = |section: &str| only.is_empty() || only.iter().any(|o| o == section);
     println!("# Sluice benchmarks ({} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
@@ -126,6 +127,12 @@ async fn main() -> anyhow::Result<()> {
             }
             fanout(&tmp, n, 1000.0).await?;
         }
+    }
+    if run("fleet") {
+        println!("\n## Thousands of subscribers (sluice process on the mock source, SQLite change log)");
+        // SLUICE_BENCH_FLOOD, SLUICE_BENCH_CATCHUP=subscribers,changes and
+        // SLUICE_BENCH_IDLE size it.
+        fleet::run(&tmp).await?;
     }
     if run("filters") || run("filter-cost") {
         println!("\n## Filters: cost per change evaluation (host routing + cache + plugin boundary + logic)");

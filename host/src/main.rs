@@ -346,6 +346,10 @@ struct RunArgs {
     /// least one); catch-ups over the same part of the log share them.
     #[arg(long, env = "SLUICE_CATCHUP_READERS")]
     catchup_readers: Option<usize>,
+    /// Each catch-up scans the log on its own instead of joining a scan
+    /// already running (for comparing the two in benchmarks).
+    #[arg(long, hide = true)]
+    no_shared_catchup: bool,
     /// Serve subscribers over TLS with this certificate chain (PEM); read
     /// again on SIGHUP.
     #[arg(long, env = "SLUICE_TLS_CERT", requires = "tls_key")]
@@ -653,6 +657,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         },
         catchup: sluice::catchup::CatchupOptions {
             readers: args.catchup_readers.unwrap_or(sluice::catchup::CatchupOptions::default().readers),
+            shared: !args.no_shared_catchup,
             ..sluice::catchup::CatchupOptions::default()
         },
         filters,

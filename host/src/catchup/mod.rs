@@ -50,12 +50,15 @@ pub struct CatchupOptions {
     /// Catch-up rows a subscriber may hold unconsumed before its scan waits
     /// for it. Paid per subscriber: the JSON is shared, the queue is not.
     pub window_bytes: usize,
+    /// Subscribers join scans already running; off, each catch-up scans the
+    /// log on its own (for comparison in benchmarks).
+    pub shared: bool,
 }
 
 impl Default for CatchupOptions {
     fn default() -> Self {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        CatchupOptions { readers: (cores / 2).max(1), window_bytes: 1 << 20 }
+        CatchupOptions { readers: (cores / 2).max(1), window_bytes: 1 << 20, shared: true }
     }
 }
 
@@ -140,7 +143,7 @@ impl Catchups {
     fn place(self: &Arc<Self>, inner: &mut Inner, member: Member) {
         inner.scans.retain(|s| !s.is_done());
         let mut member = member;
-        for scan in &inner.scans {
+        for scan in inner.scans.iter().filter(|_| self.options.shared) {
             match scan.admit(member) {
                 None => return,
                 Some(refused) => member = refused,
@@ -323,7 +326,7 @@ mod tests {
             commit(&mut log, &w(i), 30);
         }
         let (reader, snapshots, _) = counting(&log);
-        let options = CatchupOptions { readers: 1, window_bytes: 16 << 10 };
+        let options = CatchupOptions { readers: 1, window_bytes: 16 << 10, shared: true };
         let catchups = Catchups::new(reader, options, Arc::default());
         let (fast, mut fast_conn) = subscriber("000");
         let (slow, mut slow_conn) = subscriber("000");
