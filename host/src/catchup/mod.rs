@@ -105,9 +105,13 @@ impl Catchups {
         Arc::new(Catchups { reader, options, budget, permits, counters, inner })
     }
 
-    /// Catch-up rows one subscriber may hold unconsumed now.
-    fn window(&self) -> usize {
-        self.options.window_bytes.min(self.budget.share().max(64 << 10))
+    /// Catch-up rows `sub` may hold unconsumed now: the window, shrunk to
+    /// its share of the memory budget, and opened gradually (a slow start):
+    /// a subscriber gets at most 64 KiB more than it has acknowledged so
+    /// far, so a peer that never acknowledges costs little to serve.
+    fn window(&self, sub: &Subscriber) -> usize {
+        const FIRST: usize = 64 << 10;
+        self.options.window_bytes.min(self.budget.share().max(FIRST)).min(FIRST + sub.acked_bytes())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {

@@ -205,14 +205,23 @@ impl Scan {
                 change: Change::from_stored(&row.tag, &row.change, &row.watermark),
             })
             .collect();
-        let mut st = self.lock();
-        let sent: usize = st.members.iter_mut().map(|m| m.take(&rows, &entries)).sum();
-        counters.sent.fetch_add(sent as u64, Ordering::Relaxed);
-        st.members.retain(|m| !m.sub.is_closed());
-        st.cursor = match rows.last() {
-            Some(last) => Some((last.watermark.as_str().into(), last.pos)),
-            None => after.or(st.cursor.take()),
+        // The hand-out runs without the lock (it can take a while with many
+        // members; the storer must not wait for it to admit a subscriber).
+        // The cursor moves first: whoever joins meanwhile needs only later rows.
+        let mut members = {
+            let mut st = self.lock();
+            st.cursor = match rows.last() {
+                Some(last) => Some((last.watermark.as_str().into(), last.pos)),
+                None => after.or(st.cursor.take()),
+            };
+            std::mem::take(&mut st.members)
         };
+        let sent: usize = members.iter_mut().map(|m| m.take(&rows, &entries)).sum();
+        counters.sent.fetch_add(sent as u64, Ordering::Relaxed);
+        members.retain(|m| !m.sub.is_closed());
+        let mut st = self.lock();
+        members.append(&mut st.members);
+        st.members = members;
         if rows.len() == CATCHUP_READ_ROWS {
             if st.members.is_empty() {
                 st.done = true;
@@ -240,10 +249,10 @@ impl Scan {
         std::mem::take(&mut st.members)
     }
 
-    /// Takes out the members still without room for the next batch.
-    fn detach_slow(&self, window: usize) -> Vec<Member> {
+    /// Takes out the members `slow` picks.
+    fn detach(&self, slow: impl Fn(&Subscriber) -> bool) -> Vec<Member> {
         let mut st = self.lock();
-        st.members.extract_if(.., |m| !m.sub.is_closed() && m.sub.pending_bytes() >= window).collect()
+        st.members.extract_if(.., |m| slow(&m.sub)).collect()
     }
 
     fn subscribers(&self) -> Vec<Arc<Subscriber>> {
@@ -296,14 +305,13 @@ impl Catchups {
     /// control does); those still without room then leave the scan and
     /// rejoin on their own once they have it.
     async fn pace(self: &Arc<Self>, scan: &Arc<Scan>) {
-        let window = self.window();
-        let has_room = |s: &Subscriber| s.is_closed() || s.pending_bytes() < window;
+        let has_room = |s: &Subscriber| s.is_closed() || s.pending_bytes() < self.window(s);
         let members = scan.subscribers();
         let mut waits: FuturesUnordered<_> = members
             .iter()
             .filter(|s| !has_room(s))
             .map(|s| {
-                let s = s.clone();
+                let (s, window) = (s.clone(), self.window(s));
                 async move { s.wait_pending_below(window).await }
             })
             .collect();
@@ -312,18 +320,19 @@ impl Catchups {
         }
         let started = Instant::now();
         if waits.len() == members.len() && tokio::time::timeout(STALL, waits.next()).await.is_err() {
-            self.detach_slow(scan, window);
+            self.detach_slow(scan);
             return;
         }
         let grace = (started.elapsed() * 2).max(MIN_GRACE);
         let _ = tokio::time::timeout(grace, async { while waits.next().await.is_some() {} }).await;
-        self.detach_slow(scan, window);
+        self.detach_slow(scan);
     }
 
-    fn detach_slow(self: &Arc<Self>, scan: &Scan, window: usize) {
-        for member in scan.detach_slow(window) {
+    fn detach_slow(self: &Arc<Self>, scan: &Scan) {
+        for member in scan.detach(|s| !s.is_closed() && s.pending_bytes() >= self.window(s)) {
             let catchups = self.clone();
             tokio::spawn(async move {
+                let window = catchups.window(&member.sub);
                 member.sub.wait_pending_below(window).await;
                 catchups.rejoin(member);
             });

@@ -10,6 +10,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Bytes a subscriber may have sent to it and not acknowledged. A Zero
+/// client acknowledges as it reads, so only a peer that stopped
+/// acknowledging (or reading) reaches it.
+pub const SEND_WINDOW_BYTES: usize = 1 << 20;
+
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
 use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::response::Response;
@@ -202,8 +207,13 @@ async fn pump(
     let mut filter_failed = false;
     let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + ping_every, ping_every);
     loop {
+        // A peer that leaves a window's worth unacknowledged gets no more
+        // writes until it acknowledges (or is closed): what waits stays
+        // queued, where the memory budget sees it.
+        let window_full = outbox.bytes_in_flight() >= SEND_WINDOW_BYTES && !sub.is_closed();
         tokio::select! {
-            frame = conn.frames.recv() => {
+            _ = sub.closed(), if window_full => {}
+            frame = conn.frames.recv(), if !window_full => {
                 // Take what else is already queued and write it with one flush.
                 let mut frames = vec![frame];
                 while frames.len() < 256 {

@@ -23,6 +23,8 @@ pub struct InFlight {
 pub struct Outbox {
     next_id: u64,
     in_flight: VecDeque<InFlight>,
+    /// The bytes of the messages in flight.
+    bytes: usize,
 }
 
 impl Outbox {
@@ -37,6 +39,7 @@ impl Outbox {
         text.push_str(",\"msg\":");
         text.push_str(msg);
         text.push('}');
+        self.bytes += bytes;
         self.in_flight.push_back(InFlight { id, bytes, commit, last });
         text
     }
@@ -45,7 +48,11 @@ impl Outbox {
     /// with Zero's text when it is not the one expected.
     pub fn ack(&mut self, id: u64) -> Result<InFlight, String> {
         match self.in_flight.front() {
-            Some(front) if front.id == id => Ok(self.in_flight.pop_front().expect("checked: a message is in flight")),
+            Some(front) if front.id == id => {
+                let front = self.in_flight.pop_front().expect("checked: a message is in flight");
+                self.bytes -= front.bytes;
+                Ok(front)
+            }
             front => {
                 let expected = front.map_or(self.next_id + 1, |f| f.id);
                 Err(format!("Unexpected ack for {expected}: {id}"))
@@ -55,6 +62,11 @@ impl Outbox {
 
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
+    }
+
+    /// The bytes sent and not yet acknowledged.
+    pub fn bytes_in_flight(&self) -> usize {
+        self.bytes
     }
 }
 
@@ -79,11 +91,13 @@ mod tests {
         out.frame("[1]", 3, None, false);
         out.frame("[2]", 3, Some("05".into()), false);
         out.frame("[3]", 0, None, true);
+        assert_eq!(out.bytes_in_flight(), 6);
         assert_eq!(out.ack(1), Ok(InFlight { id: 1, bytes: 3, commit: None, last: false }));
+        assert_eq!(out.bytes_in_flight(), 3);
         let commit = out.ack(2).unwrap();
         assert_eq!(commit.commit.as_deref(), Some("05"));
         assert!(out.ack(3).unwrap().last, "the error message ends the connection once acked");
-        assert_eq!(out.in_flight(), 0);
+        assert_eq!((out.in_flight(), out.bytes_in_flight()), (0, 0));
     }
 
     #[test]

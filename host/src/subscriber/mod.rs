@@ -107,6 +107,8 @@ pub struct Subscriber {
     enqueued: AtomicU64,
     /// What this subscriber counts against the memory budget.
     held: AtomicUsize,
+    /// Bytes of messages it has acknowledged so far.
+    acked_bytes: AtomicUsize,
 }
 
 struct State {
@@ -186,6 +188,7 @@ impl Subscriber {
             consumed: watch::channel(0).0,
             enqueued: AtomicU64::new(0),
             held: AtomicUsize::new(0),
+            acked_bytes: AtomicUsize::new(0),
         };
         (Arc::new(sub), Connection { frames })
     }
@@ -402,6 +405,7 @@ impl Subscriber {
     /// `bytes` is the length of the message's JSON.
     pub fn consumed(&self, bytes: usize, commit: Option<&Arc<str>>) {
         let cost = queued_cost(bytes);
+        self.acked_bytes.fetch_add(bytes, Ordering::AcqRel);
         let _ = self.pending_bytes.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| Some(p.saturating_sub(cost)));
         self.release(MESSAGE_OVERHEAD);
         if let Some(w) = commit {
@@ -411,6 +415,11 @@ impl Subscriber {
             }
         }
         self.consumed.send_modify(|n| *n += 1);
+    }
+
+    /// Bytes of messages it has acknowledged so far.
+    pub fn acked_bytes(&self) -> usize {
+        self.acked_bytes.load(Ordering::Acquire)
     }
 
     pub fn pending_bytes(&self) -> usize {
