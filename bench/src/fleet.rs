@@ -82,7 +82,7 @@ async fn never_acks(addr: String, id: usize, stop: Arc<AtomicBool>) {
 }
 
 /// A subscriber from `from` that acknowledges every message; returns the
-/// latencies (µs) of commits sent while it was live, until `last`.
+/// latencies (µs) of commits the source wrote after it was connected, until `last`.
 async fn acking(
     addr: String,
     id: String,
@@ -94,19 +94,25 @@ async fn acking(
     let (mut ws, _) = tokio_tungstenite::connect_async(url(&addr, &id, &from)).await?;
     let mut latencies = Vec::new();
     let mut in_tx = 0u64;
+    // Latency counts commits the source wrote once this subscriber was live
+    // (its first message, the status, arrived); earlier ones came from the log.
+    let mut live_from: Option<u64> = None;
     loop {
         let Some(first) = ws.next().await else { anyhow::bail!("{id}: closed by the server") };
         let mut frame = Some(first);
         while let Some(f) = frame {
             if let Ws::Text(text) = f? {
                 let (n, msg) = split_frame(&text)?;
+                if live_from.is_none() {
+                    live_from = Some(now_us()?);
+                }
                 ws.feed(Ws::Text(format!("{{\"ack\":{n}}}").into())).await?;
                 if msg.starts_with("[\"data\"") {
                     in_tx += 1;
                 } else if msg.starts_with("[\"commit\"") {
                     counted.fetch_add(std::mem::take(&mut in_tx), Ordering::Relaxed);
                     let msg: serde_json::Value = serde_json::from_str(msg)?;
-                    if let Some(sent) = msg[1]["sentAtUs"].as_u64() {
+                    if let Some(sent) = msg[1]["sentAtUs"].as_u64().filter(|s| Some(*s) >= live_from) {
                         latencies.push(now_us()?.saturating_sub(sent));
                     }
                     if msg[2]["watermark"].as_str() == Some(last.as_str()) {
@@ -186,6 +192,10 @@ async fn flood(tmp: &Path, n: usize) -> anyhow::Result<()> {
     let after = rss_mib(child.id()).unwrap_or(0.0);
     let _ = child.kill();
     let _ = child.wait();
+    if let Ok(path) = std::env::var("SLUICE_BENCH_DUMP") {
+        let lines: Vec<String> = latencies.iter().map(|l| l.to_string()).collect();
+        std::fs::write(path, lines.join("\n"))?;
+    }
     latencies.sort_unstable();
     println!(
         "{n} peers never acking + 1 at the head, source at 200 tx/s for {secs} s: head commit latency p50 {:.2} ms p99 {:.2} ms ({} commits); \

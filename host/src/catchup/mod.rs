@@ -107,10 +107,10 @@ impl Catchups {
 
     /// Catch-up rows `sub` may hold unconsumed now: the window, shrunk to
     /// its share of the memory budget, and opened gradually (a slow start):
-    /// a subscriber gets at most 64 KiB more than it has acknowledged so
+    /// a subscriber gets at most 16 KiB more than it has acknowledged so
     /// far, so a peer that never acknowledges costs little to serve.
     fn window(&self, sub: &Subscriber) -> usize {
-        const FIRST: usize = 64 << 10;
+        const FIRST: usize = 16 << 10;
         self.options.window_bytes.min(self.budget.share().max(FIRST)).min(FIRST + sub.acked_bytes())
     }
 

@@ -12,7 +12,7 @@
 //! is what flow control, acks and purging are based on.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -109,6 +109,8 @@ pub struct Subscriber {
     held: AtomicUsize,
     /// Bytes of messages it has acknowledged so far.
     acked_bytes: AtomicUsize,
+    /// `State::closed`, readable without the lock.
+    closed: AtomicBool,
 }
 
 struct State {
@@ -189,6 +191,7 @@ impl Subscriber {
             enqueued: AtomicU64::new(0),
             held: AtomicUsize::new(0),
             acked_bytes: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
         };
         (Arc::new(sub), Connection { frames })
     }
@@ -218,11 +221,16 @@ impl Subscriber {
     }
 
     pub fn is_closed(&self) -> bool {
-        self.lock().closed
+        // Read without the lock: the forwarder asks this of every
+        // subscriber for every change.
+        self.closed.load(Ordering::Acquire)
     }
 
     /// A live change from the forwarder.
     pub fn send(&self, entry: &Entry) {
+        if self.is_closed() {
+            return;
+        }
         let mut st = self.lock();
         if st.closed || *entry.watermark <= *st.watermark {
             return;
@@ -389,6 +397,7 @@ impl Subscriber {
         self.enqueued.fetch_add(1, Ordering::AcqRel);
         if self.out.send(Frame::Message { json, commit }).is_err() {
             st.closed = true;
+            self.closed.store(true, Ordering::Release);
             return;
         }
         if pending > self.limits.pending_bytes && st.backlog.is_none() {
@@ -485,6 +494,7 @@ impl Subscriber {
             return;
         }
         st.closed = true;
+        self.closed.store(true, Ordering::Release);
         st.backlog = None;
         st.backlog_bytes = 0;
         // It takes nothing more and its connection ends soon: what it holds
