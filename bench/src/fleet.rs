@@ -190,6 +190,8 @@ async fn flood(tmp: &Path, n: usize) -> anyhow::Result<()> {
     wait_status(&addr, "the flood to leave", |s| s["subscribers"].as_u64() == Some(0)).await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = rss_mib(child.id()).unwrap_or(0.0);
+    let left = http_status(&addr).await?;
+    let (held_after, scans_after) = (left["subscriberMemory"]["usedBytes"].clone(), left["catchup"]["scans"].clone());
     let _ = child.kill();
     let _ = child.wait();
     if let Ok(path) = std::env::var("SLUICE_BENCH_DUMP") {
@@ -199,7 +201,7 @@ async fn flood(tmp: &Path, n: usize) -> anyhow::Result<()> {
     latencies.sort_unstable();
     println!(
         "{n} peers never acking + 1 at the head, source at 200 tx/s for {secs} s: head commit latency p50 {:.2} ms p99 {:.2} ms ({} commits); \
-         held for subscribers at most {:.0} MiB (budget 512), {closed} closed by the budget; sluice peak RSS {peak:.0} MiB, {after:.0} MiB after they left",
+         held for subscribers at most {:.0} MiB (budget 512), {closed} closed by the budget; sluice peak RSS {peak:.0} MiB, {after:.0} MiB after they left (then held {held_after} B, {scans_after} scans running)",
         percentile(&latencies, 0.5),
         percentile(&latencies, 0.99),
         latencies.len(),
