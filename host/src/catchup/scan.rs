@@ -120,8 +120,11 @@ impl ScanState {
     /// Where the next read starts: after the cursor, or further on when every
     /// member already holds more (a subscriber at a snapshot's transaction
     /// needs none of its rows; 1M rows took 25 s to skip one by one).
-    fn next_read(&self) -> (Arc<str>, Option<Position>) {
-        let mut after = self.cursor.clone();
+    fn next_read(&mut self) -> (Arc<str>, Option<Position>) {
+        // From the first read on, `from` is fixed: a subscriber below it can
+        // no longer join (the read in flight would pass its rows by).
+        // Position -1 is before every row of `from`.
+        let mut after = Some(self.cursor.get_or_insert_with(|| (self.from.clone(), -1)).clone());
         if self.members.iter().all(|m| m.found) {
             let lowest = self.members.iter().map(|m| &m.at).min_by(|a, b| cmp((&a.0, a.1), b));
             if let Some(lowest) = lowest {
@@ -170,7 +173,7 @@ impl Scan {
                     return Some(member);
                 }
                 // The scan has read rows of the member's start: it is in the log.
-                if *cursor.0 == *member.sub.start {
+                if *cursor.0 == *member.sub.start && cursor.1 >= 0 {
                     member.found = true;
                 }
             }

@@ -109,7 +109,8 @@ pub struct Subscriber {
     held: AtomicUsize,
     /// Bytes of messages it has acknowledged so far.
     acked_bytes: AtomicUsize,
-    /// `State::closed`, readable without the lock.
+    /// Closed: it takes nothing more. Set under the state lock, read
+    /// without it (the forwarder asks for every change).
     closed: AtomicBool,
 }
 
@@ -121,7 +122,6 @@ struct State {
     backlog: Option<VecDeque<Entry>>,
     backlog_bytes: usize,
     initialized: bool,
-    closed: bool,
     missed_last_timeout: bool,
     /// Messages it had to consume by the deadline it missed.
     missed_target: u64,
@@ -179,7 +179,6 @@ impl Subscriber {
                 backlog: Some(VecDeque::new()),
                 backlog_bytes: 0,
                 initialized: false,
-                closed: false,
                 missed_last_timeout: false,
                 missed_target: 0,
                 lagging_since: None,
@@ -221,8 +220,6 @@ impl Subscriber {
     }
 
     pub fn is_closed(&self) -> bool {
-        // Read without the lock: the forwarder asks this of every
-        // subscriber for every change.
         self.closed.load(Ordering::Acquire)
     }
 
@@ -232,14 +229,14 @@ impl Subscriber {
             return;
         }
         let mut st = self.lock();
-        if st.closed || *entry.watermark <= *st.watermark {
+        if self.is_closed() || *entry.watermark <= *st.watermark {
             return;
         }
         if let Some(backlog) = st.backlog.as_mut() {
             backlog.push_back(entry.clone());
             st.backlog_bytes += entry.change.json.len();
             self.charge(entry.change.json.len());
-            if !st.closed && self.over_share(&st) {
+            if !self.is_closed() && self.over_share(&st) {
                 self.close_over_budget(&mut st);
             } else if st.backlog_bytes > self.limits.backlog_bytes {
                 tracing::info!(
@@ -252,7 +249,7 @@ impl Subscriber {
             return;
         }
         self.send_change(&mut st, entry);
-        if !st.closed && self.over_share(&st) {
+        if !self.is_closed() && self.over_share(&st) {
             self.close_over_budget(&mut st);
         }
     }
@@ -273,7 +270,7 @@ impl Subscriber {
     /// Closes it for holding more than its share of an exceeded budget.
     pub fn close_for_budget(&self) {
         let mut st = self.lock();
-        if !st.closed {
+        if !self.is_closed() {
             self.close_over_budget(&mut st);
         }
     }
@@ -328,24 +325,19 @@ impl Subscriber {
 
     /// A change read from the change log during catch-up.
     pub fn catchup(&self, entry: &Entry) {
-        let mut st = self.lock();
-        if st.closed {
-            return;
-        }
-        self.initialize(&mut st);
-        self.send_change(&mut st, entry);
+        self.catchup_many(std::slice::from_ref(entry));
     }
 
     /// Changes read from the change log during catch-up, in order.
     pub fn catchup_many(&self, entries: &[Entry]) {
         let mut st = self.lock();
-        if st.closed {
+        if self.is_closed() {
             return;
         }
         self.initialize(&mut st);
         for entry in entries {
             self.send_change(&mut st, entry);
-            if st.closed {
+            if self.is_closed() {
                 return;
             }
         }
@@ -354,7 +346,7 @@ impl Subscriber {
     /// Catch-up is done: send the backlog, then go live.
     pub fn set_caught_up(&self) {
         let mut st = self.lock();
-        if st.closed {
+        if self.is_closed() {
             return;
         }
         self.initialize(&mut st);
@@ -396,7 +388,6 @@ impl Subscriber {
         self.charge(cost);
         self.enqueued.fetch_add(1, Ordering::AcqRel);
         if self.out.send(Frame::Message { json, commit }).is_err() {
-            st.closed = true;
             self.closed.store(true, Ordering::Release);
             return;
         }
@@ -467,7 +458,7 @@ impl Subscriber {
         loop {
             {
                 let st = self.lock();
-                if st.closed
+                if self.is_closed()
                     || st.backlog.as_ref().is_some_and(|_| st.backlog_bytes < self.limits.backlog_bytes / 10 * 8)
                 {
                     return;
@@ -490,10 +481,9 @@ impl Subscriber {
     }
 
     fn close_locked(&self, st: &mut State, error: Option<(ErrorType, String)>) {
-        if st.closed {
+        if self.is_closed() {
             return;
         }
-        st.closed = true;
         self.closed.store(true, Ordering::Release);
         st.backlog = None;
         st.backlog_bytes = 0;
