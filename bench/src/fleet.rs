@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use futures::{FutureExt, SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::Message as Ws;
 
-use crate::{free_addr, http_status, peak_rss_mib, percentile, plugin_dir, sluice_binary, split_frame};
+use crate::{cpu_seconds, free_addr, http_status, peak_rss_mib, percentile, plugin_dir, sluice_binary, split_frame};
 
 /// A `sluice run` on the mock source with `config`, and its address.
 async fn start(tmp: &Path, name: &str, config: serde_json::Value, extra: &[&str]) -> anyhow::Result<(Child, String)> {
@@ -136,14 +136,23 @@ pub async fn run(tmp: &Path) -> anyhow::Result<()> {
             .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect())
             .unwrap_or_else(|| default.to_vec())
     };
-    let flood_size = sizes("SLUICE_BENCH_FLOOD", &[2000])[0];
-    flood(tmp, flood_size).await?;
-    // SLUICE_BENCH_CATCHUP=subscribers,changes
-    let catchup_size = sizes("SLUICE_BENCH_CATCHUP", &[1000, 20_000]);
-    for shared in [true, false] {
-        catchups(tmp, catchup_size[0], catchup_size[1], shared).await?;
+    // SLUICE_BENCH_FLEET=flood,catchup,idle picks parts (all by default).
+    let parts = std::env::var("SLUICE_BENCH_FLEET").unwrap_or_else(|_| "flood,catchup,idle".into());
+    let part = |name: &str| parts.split(',').any(|p| p.trim() == name);
+    if part("flood") {
+        flood(tmp, sizes("SLUICE_BENCH_FLOOD", &[2000])[0]).await?;
     }
-    idle(tmp, sizes("SLUICE_BENCH_IDLE", &[10_000])[0]).await
+    if part("catchup") {
+        // SLUICE_BENCH_CATCHUP=subscribers,changes
+        let catchup_size = sizes("SLUICE_BENCH_CATCHUP", &[1000, 20_000]);
+        for shared in [true, false] {
+            catchups(tmp, catchup_size[0], catchup_size[1], shared).await?;
+        }
+    }
+    if part("idle") {
+        idle(tmp, sizes("SLUICE_BENCH_IDLE", &[10_000])[0]).await?;
+    }
+    Ok(())
 }
 
 /// `n` peers that never acknowledge, from watermark 00 (and back when
@@ -221,6 +230,7 @@ async fn catchups(tmp: &Path, n: usize, changes: usize, shared: bool) -> anyhow:
     wait_status(&addr, "the log to be stored", |s| s["lastWatermark"].as_str() == Some(last.as_str())).await?;
     let counted = Arc::new(AtomicU64::new(0));
     let t0 = Instant::now();
+    let cpu0 = cpu_seconds(child.id()).unwrap_or(0.0);
     let subs: Vec<_> = (0..n)
         .map(|i| tokio::spawn(acking(addr.clone(), format!("catchup-{i}"), "00".into(), last.clone(), counted.clone())))
         .collect();
@@ -228,6 +238,7 @@ async fn catchups(tmp: &Path, n: usize, changes: usize, shared: bool) -> anyhow:
         s.await??;
     }
     let secs = t0.elapsed().as_secs_f64();
+    let cpu = cpu_seconds(child.id()).unwrap_or(0.0) - cpu0;
     let status = http_status(&addr).await?;
     let peak = peak_rss_mib(child.id()).unwrap_or(0.0);
     let _ = child.kill();
@@ -236,9 +247,10 @@ async fn catchups(tmp: &Path, n: usize, changes: usize, shared: bool) -> anyhow:
     let read = status["catchup"]["rowsRead"].as_u64().unwrap_or(0);
     println!(
         "{n} subscribers catching up {changes} changes at once, {}: {:.0} changes/s delivered in total ({delivered} in {secs:.1} s), \
-         log read {:.1} times ({} scans), sluice peak RSS {peak:.0} MiB",
+         sluice CPU {:.2} s per million delivered, log read {:.1} times ({} scans), sluice peak RSS {peak:.0} MiB",
         if shared { "shared scans" } else { "one scan each" },
         delivered as f64 / secs,
+        cpu / (delivered.max(1) as f64 / 1e6),
         read as f64 / (changes as f64 * 1.2),
         status["catchup"]["scansTotal"],
     );

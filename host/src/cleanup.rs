@@ -62,12 +62,21 @@ pub async fn run(hub: Arc<Hub>, status: Arc<Status>, options: CleanupOptions, mu
     let mut purge = tokio::time::interval(options.purge_interval);
     purge.tick().await;
     let mut monitor = tokio::time::interval(Duration::from_secs(1));
+    let mut trimmer = crate::subscriber::trim::Trimmer::default();
     loop {
         tokio::select! {
             _ = shutdown.changed() => return,
             _ = monitor.tick() => {
                 hub.check_laggards(options.lag_grace);
                 hub.enforce_budget();
+                let budget = hub.budget();
+                if trimmer.observe(budget.used(), budget.subscribers()) {
+                    tokio::task::spawn_blocking(|| {
+                        let started = std::time::Instant::now();
+                        crate::subscriber::trim::release_free_memory();
+                        tracing::debug!(elapsed_ms = started.elapsed().as_millis() as u64, "returned freed memory to the system");
+                    });
+                }
             }
             _ = purge.tick() => {
                 let (h, o) = (hub.clone(), options.clone());

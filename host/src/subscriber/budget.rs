@@ -77,6 +77,11 @@ impl MemoryBudget {
         self.subscribers.fetch_sub(1, Ordering::AcqRel);
     }
 
+    /// Subscribers connected.
+    pub fn subscribers(&self) -> usize {
+        self.subscribers.load(Ordering::Acquire)
+    }
+
     pub(super) fn count_closed(&self) {
         self.closed.fetch_add(1, Ordering::Relaxed);
     }

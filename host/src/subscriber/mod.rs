@@ -16,13 +16,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 
 use crate::change::{Change, Kind};
 
 pub mod budget;
+mod signal;
+pub mod trim;
 
 pub use budget::MemoryBudget;
+use signal::Signal;
 
 /// The queue entry and bookkeeping of one message, held until it is
 /// acknowledged (the JSON itself is held only until it is written).
@@ -102,7 +105,12 @@ pub struct Subscriber {
     /// Bytes queued for or sent to the peer and not yet consumed.
     pending_bytes: AtomicUsize,
     /// Messages consumed so far (for flow control waits).
-    consumed: watch::Sender<u64>,
+    consumed: AtomicU64,
+    /// Wakes those waiting on acks (and on the close).
+    signal: Signal,
+    /// Wakes those waiting only for the close (every socket write does;
+    /// they need no wake-up per ack).
+    close_signal: Signal,
     /// Messages handed to the connection so far.
     enqueued: AtomicU64,
     /// What this subscriber counts against the memory budget.
@@ -186,7 +194,9 @@ impl Subscriber {
             }),
             out,
             pending_bytes: AtomicUsize::new(0),
-            consumed: watch::channel(0).0,
+            consumed: AtomicU64::new(0),
+            signal: Signal::default(),
+            close_signal: Signal::default(),
             enqueued: AtomicU64::new(0),
             held: AtomicUsize::new(0),
             acked_bytes: AtomicUsize::new(0),
@@ -414,7 +424,8 @@ impl Subscriber {
                 st.acked = w.clone();
             }
         }
-        self.consumed.send_modify(|n| *n += 1);
+        self.consumed.fetch_add(1, Ordering::AcqRel);
+        self.signal.wake();
     }
 
     /// Bytes of messages it has acknowledged so far.
@@ -428,22 +439,12 @@ impl Subscriber {
 
     /// Resolves once the subscriber is closed.
     pub async fn closed(&self) {
-        let mut rx = self.consumed.subscribe();
-        while !self.is_closed() {
-            if rx.changed().await.is_err() {
-                return;
-            }
-        }
+        self.close_signal.until(|| self.is_closed()).await
     }
 
     /// Waits until fewer than `bytes` are pending (or the subscriber closed).
     pub async fn wait_pending_below(&self, bytes: usize) {
-        let mut rx = self.consumed.subscribe();
-        while self.pending_bytes() >= bytes && !self.is_closed() {
-            if rx.changed().await.is_err() {
-                return;
-            }
-        }
+        self.signal.until(|| self.pending_bytes() < bytes || self.is_closed()).await
     }
 
     /// A flow-control target: the count of messages enqueued so far.
@@ -454,24 +455,16 @@ impl Subscriber {
     /// Resolves once `target` messages were consumed, the backlog (while
     /// catching up) is below its limit, or the subscriber closed.
     pub async fn wait_consumed(&self, target: u64) {
-        let mut rx = self.consumed.subscribe();
-        loop {
-            {
-                let st = self.lock();
-                if self.is_closed()
-                    || st.backlog.as_ref().is_some_and(|_| st.backlog_bytes < self.limits.backlog_bytes / 10 * 8)
-                {
-                    return;
-                }
+        let ready = || {
+            if self.is_closed() || self.consumed.load(Ordering::Acquire) >= target {
+                return true;
             }
-            if *rx.borrow_and_update() >= target {
-                return;
-            }
-            let closed = tokio::time::timeout(Duration::from_millis(200), rx.changed()).await;
-            if matches!(closed, Ok(Err(_))) {
-                return;
-            }
-        }
+            let st = self.lock();
+            st.backlog.as_ref().is_some_and(|_| st.backlog_bytes < self.limits.backlog_bytes / 10 * 8)
+        };
+        // The backlog shrinks without a wake-up (it drains as the catch-up
+        // ends): look again every 200 ms.
+        while tokio::time::timeout(Duration::from_millis(200), self.signal.until(ready)).await.is_err() {}
     }
 
     /// Ends the subscription; with an error, that message is sent first.
@@ -501,7 +494,8 @@ impl Subscriber {
             None => Frame::Close,
         };
         let _ = self.out.send(frame);
-        self.consumed.send_modify(|_| {});
+        self.signal.wake();
+        self.close_signal.wake();
     }
 
     // ---- Laggard detection (Zero's progress monitor) ----
@@ -531,7 +525,7 @@ impl Subscriber {
         if self.mode == Mode::Backup {
             return true;
         }
-        let consumed = *self.consumed.borrow();
+        let consumed = self.consumed.load(Ordering::Acquire);
         consumed > 0 && !(st.missed_last_timeout && consumed < st.missed_target)
     }
 
@@ -541,7 +535,7 @@ impl Subscriber {
 
     /// Records a sample of consumed messages; keeps the last ten.
     pub fn sample(&self, now: Instant) {
-        let n = *self.consumed.borrow();
+        let n = self.consumed.load(Ordering::Acquire);
         let mut st = self.lock();
         while st.samples.len() >= 10 {
             st.samples.pop_front();
