@@ -157,8 +157,17 @@ async fn the_postgres_sources_upstream_objects_are_listed_and_removed() {
     host.wait_status("the snapshot", |s| s["lineage"]["state"] == "established");
     // The host measures what the slot retains (a true condition once measured).
     host.wait_status("the retained WAL", |s| s["retainedWalBytes"].is_u64());
+    // A transaction streamed now is measured from its upstream commit time.
+    client.batch_execute("INSERT INTO items VALUES (0, 'lag')").await.unwrap();
+    host.wait_status("the source lag of a streamed commit", |s| s["sourceLagMs"].is_number());
     let metrics = common::process::http_get(&host.addr, "/metrics").unwrap();
     assert!(metrics.contains("sluice_source_retained_wal_bytes "), "{metrics}");
+    let lagged: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("sluice_source_lag_seconds_count "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0.0);
+    assert!(lagged >= 1.0, "the streamed commit is in the lag histogram: {metrics}");
 
     let pg_status = || json(&admin(&["postgres", "status", "--json", "--source-config", &config]));
     let up = pg_status();

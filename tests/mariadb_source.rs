@@ -107,6 +107,14 @@ async fn snapshot_then_every_kind_of_row_change() {
     assert!(r.raw.iter().any(|m| m.contains("\"key\":{\"id\":2}") && m.contains("\"id\":102")));
     assert!(r.raw.iter().any(|m| m.contains("\"key\":null") && m.contains("\"name\":\"uno\"")));
     assert!(r.raw.iter().any(|m| m.contains("\"tag\":\"delete\"") && m.contains("\"key\":{\"id\":3}")));
+    // Binlog commits carry their upstream time (whole seconds), from which
+    // the host measures the source's lag.
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as f64;
+    let commit_times: Vec<f64> = r.commit_bodies.iter().filter_map(|c| c["commitTimeMs"].as_f64()).collect();
+    assert_eq!(commit_times.len(), 8, "every binlog commit has a time, the snapshot none");
+    for t in commit_times {
+        assert!(t <= now_ms + 1_000.0 && t > now_ms - 600_000.0, "committed upstream just now: {t} vs {now_ms}");
+    }
     // Watermarks: LexiVersions of the GTID sequence, with the position after.
     for w in &r.commits {
         let (lexi, gtid) = w.split_once('.').unwrap();

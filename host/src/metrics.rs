@@ -47,6 +47,12 @@ impl Metrics {
             Unit::Seconds,
             status.commit_seconds().clone(),
         );
+        registry.register_with_unit(
+            "source_lag",
+            "Upstream commit to durable in the change log, per transaction (sources that give commit times: Postgres, MariaDB)",
+            Unit::Seconds,
+            status.source_lag_seconds().clone(),
+        );
         registry.register_collector(Box::new(StatusCollector { status, access, hub }));
         Metrics { registry }
     }

@@ -81,6 +81,10 @@ pub struct Snapshot {
     /// The built-in Postgres source: WAL the upstream keeps for its slot.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retained_wal_bytes: Option<u64>,
+    /// For sources that give commit times (`commitTimeMs`): how long the
+    /// last durable transaction took from its upstream commit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source_lag_ms: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Default)]
@@ -128,6 +132,9 @@ pub struct Status {
     backing_off_since_ms: AtomicU64,
     /// Each storage commit's duration, for `/metrics`.
     commit_seconds: prometheus_client::metrics::histogram::Histogram,
+    /// Upstream commit to durable, per transaction whose source gave its
+    /// commit time.
+    source_lag_seconds: prometheus_client::metrics::histogram::Histogram,
 }
 
 impl Default for Status {
@@ -143,6 +150,10 @@ impl Default for Status {
             // 0.25 ms to about 8 s.
             commit_seconds: prometheus_client::metrics::histogram::Histogram::new(
                 prometheus_client::metrics::histogram::exponential_buckets(0.00025, 2.0, 16),
+            ),
+            // 1 ms to about 9 hours (a source replaying a long backlog).
+            source_lag_seconds: prometheus_client::metrics::histogram::Histogram::new(
+                prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.5, 18),
             ),
         }
     }
@@ -220,6 +231,23 @@ impl Status {
     /// The histogram of storage commit durations.
     pub fn commit_seconds(&self) -> &prometheus_client::metrics::histogram::Histogram {
         &self.commit_seconds
+    }
+
+    /// The histogram of upstream-commit-to-durable times.
+    pub fn source_lag_seconds(&self) -> &prometheus_client::metrics::histogram::Histogram {
+        &self.source_lag_seconds
+    }
+
+    /// Transactions committed upstream at `commit_times_ms` (ms since the
+    /// Unix epoch) are durable now. A clock behind the upstream's counts as
+    /// no lag rather than a negative one.
+    pub fn durable_after_upstream(&self, commit_times_ms: &[f64]) {
+        let Some(last) = commit_times_ms.last() else { return };
+        let now = now_ms() as f64;
+        for t in commit_times_ms {
+            self.source_lag_seconds.observe((now - t).max(0.0) / 1e3);
+        }
+        self.update(|s| s.source_lag_ms = Some((now - last).max(0.0)));
     }
 
     /// The source just sent something (or was opened).

@@ -282,6 +282,9 @@ struct Worker {
     group_changes: u64,
     group_bytes: usize,
     group_last_commit: Option<Arc<str>>,
+    /// Upstream commit times (ms) of the group's transactions, for the
+    /// sources that give them.
+    group_commit_times: Vec<f64>,
     /// The upstream transaction being written.
     current: Option<CurrentTx>,
     rows: Vec<PendingRow>,
@@ -311,6 +314,7 @@ impl Worker {
             group_changes: 0,
             group_bytes: 0,
             group_last_commit: None,
+            group_commit_times: Vec::new(),
             current: None,
             rows: Vec::new(),
             rows_bytes: 0,
@@ -408,6 +412,9 @@ impl Worker {
                     anyhow::bail!("commit {watermark} outside a transaction");
                 };
                 let pos = tx.next_pos;
+                if let Some(t) = commit_time_ms(&change) {
+                    self.group_commit_times.push(t);
+                }
                 self.push_row(PendingRow { watermark: watermark.clone(), pos, change, precommit: Some(tx.watermark) });
                 if tx.savepoint {
                     // Its earlier rows are written; the rest go with the group.
@@ -517,6 +524,7 @@ impl Worker {
         self.group_changes = 0;
         self.group_bytes = 0;
         self.group_last_commit = None;
+        self.group_commit_times.clear();
     }
 
     /// Makes every upstream transaction in the open storage transaction durable.
@@ -540,6 +548,7 @@ impl Worker {
             (established.on_durable)(&last);
         }
         let (txs, changes) = (self.group_transactions as u64, self.group_changes);
+        self.status.durable_after_upstream(&self.group_commit_times);
         self.reset_group();
         self.status.update(|s| {
             s.last_watermark = Some(last.to_string());
@@ -549,6 +558,12 @@ impl Worker {
         let _ = self.durable.send(last);
         Ok(())
     }
+}
+
+/// The upstream commit time a source put in its commit (`commitTimeMs`,
+/// ms since the Unix epoch), if any.
+fn commit_time_ms(commit: &Change) -> Option<f64> {
+    json_scan::member(commit.stored(), "commitTimeMs")?.parse().ok().filter(|t: &f64| t.is_finite())
 }
 
 #[cfg(test)]
@@ -569,13 +584,15 @@ mod tests {
     fn start(log: MemoryChangeLog, options: StorerOptions, establish: Option<Establish>) -> Running {
         let catchup = Catchups::new(log.reader(), Default::default(), Arc::default());
         let (tx, durable) = mpsc::unbounded_channel();
-        let storer = Storer::start(Box::new(log), catchup, options, establish, tx, Arc::new(Status::default()));
-        Running { storer, durable }
+        let status = Arc::new(Status::default());
+        let storer = Storer::start(Box::new(log), catchup, options, establish, tx, status.clone());
+        Running { storer, durable, status }
     }
 
     struct Running {
         storer: Storer,
         durable: mpsc::UnboundedReceiver<Arc<str>>,
+        status: Arc<Status>,
     }
 
     impl Running {
@@ -613,6 +630,24 @@ mod tests {
         let mut log = MemoryChangeLog::default();
         log.reset("00").unwrap();
         log
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_source_lag_is_measured_from_the_upstream_commit_time() {
+        let mut s = start(seeded(), StorerOptions::default(), None);
+        s.tx("01", 1);
+        assert_eq!(s.durable().await, "01");
+        assert_eq!(s.status.snapshot().source_lag_ms, None, "no commit time, no lag");
+        let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis();
+        let committed = now_ms - 5_000;
+        s.send("02", begin("02"));
+        s.send("02", insert("02", 0));
+        let json = format!(r#"{{"tag":"commit","commitTimeMs":{committed}.5}}"#);
+        s.send("02", Change::from_stored("commit", &json, "02"));
+        assert_eq!(s.durable().await, "02");
+        let lag = s.status.snapshot().source_lag_ms.expect("a lag once a commit time came");
+        assert!((4_990.0..60_000.0).contains(&lag), "committed 5 s ago, durable now: {lag} ms");
+        s.stop().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -44,6 +44,8 @@ pub fn key_of(row: &Value, columns: &[String]) -> String {
 pub struct Replica {
     pub tables: HashMap<String, BTreeMap<String, Value>>,
     pub commits: Vec<String>,
+    /// The commit objects, in order (what a source added to them included).
+    pub commit_bodies: Vec<Value>,
     pub rollbacks: usize,
     pub pending: Vec<Value>,
     pub raw: Vec<String>,
@@ -82,6 +84,7 @@ impl Replica {
                     self.problems.push(format!("commit {w} after {:?}", self.commits.last()));
                 }
                 self.commits.push(w);
+                self.commit_bodies.push(msg[1].clone());
                 for change in std::mem::take(&mut self.pending) {
                     self.change(&change);
                 }

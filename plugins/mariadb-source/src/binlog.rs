@@ -32,6 +32,8 @@ pub mod kind {
 }
 
 pub struct Header {
+    /// When the event was written upstream (seconds since the Unix epoch).
+    pub timestamp: u32,
     pub kind: u8,
     pub server_id: u32,
     pub log_pos: u32,
@@ -44,7 +46,7 @@ pub fn split(event: &[u8], checksums: bool) -> Res<(Header, &[u8])> {
         return Err(format!("binlog event of {} bytes is shorter than its header", event.len()));
     }
     let mut c = Cursor::new(event);
-    c.skip(4)?; // timestamp
+    let timestamp = c.u32()?;
     let kind = c.u8()?;
     let server_id = c.u32()?;
     let size = c.u32()? as usize;
@@ -63,7 +65,7 @@ pub fn split(event: &[u8], checksums: bool) -> Res<(Header, &[u8])> {
             }
         }
     }
-    Ok((Header { kind, server_id, log_pos }, body))
+    Ok((Header { timestamp, kind, server_id, log_pos }, body))
 }
 
 fn strip_crc<'a>(event: &'a [u8], body: &'a [u8], kind: u8) -> Res<&'a [u8]> {

@@ -242,19 +242,19 @@ impl Replication {
                     convert_rows(relation, rows, &map.primary_key, out);
                 }
             }
-            kind::XID => self.commit(out),
+            kind::XID => self.commit(out, h.timestamp),
             kind::QUERY => {
                 let q = binlog::query(body).map_err(bad)?;
                 let sql = q.sql.trim();
                 if sql.eq_ignore_ascii_case("BEGIN") {
                 } else if sql.eq_ignore_ascii_case("COMMIT") {
-                    self.commit(out);
+                    self.commit(out, h.timestamp);
                 } else if sql.eq_ignore_ascii_case("ROLLBACK") {
                     self.rollback(out);
                 } else {
                     self.ddl(config, &q.db, sql, out)?;
                     if self.tx.as_ref().is_some_and(|t| t.standalone) {
-                        self.commit(out);
+                        self.commit(out, h.timestamp);
                     }
                 }
             }
@@ -296,13 +296,17 @@ impl Replication {
         Ok(())
     }
 
-    fn commit(&mut self, out: &mut Vec<Message>) {
+    /// Ends the current transaction; `timestamp` is the committing event's
+    /// (seconds), passed on as `commitTimeMs` so the host can measure the
+    /// source's lag.
+    fn commit(&mut self, out: &mut Vec<Message>, timestamp: u32) {
         let Some(tx) = self.tx.take() else { return };
         if tx.domain != u32::MAX {
             self.pos.set(tx.domain, tx.server, tx.seq);
         }
         if tx.begun {
-            out.push(Message::Commit(Commit { watermark: tx.watermark, extra: None }));
+            let extra = Some(format!("{{\"commitTimeMs\":{}}}", u64::from(timestamp) * 1000));
+            out.push(Message::Commit(Commit { watermark: tx.watermark, extra }));
             self.counter = tx.counter;
         }
     }
