@@ -473,6 +473,11 @@ async fn metrics_parse_as_prometheus_text() {
     let series = first.samples.iter().filter(|s| s.metric == "sluice_subscriber_pending_bytes").count();
     assert_eq!(series, 1, "one series for the one subscriber");
     assert!(value(&first, "sluice_subscribers_pending_bytes", None) >= 0.0);
+    // How far behind the head it is, in watermark units (the mock's are a counter).
+    let distances = first.samples.iter().filter(|s| s.metric == "sluice_subscriber_watermark_distance").count();
+    assert_eq!(distances, 1, "a distance for the one subscriber");
+    let one = value(&first, "sluice_subscriber_watermark_distance", Some(("subscriber", "s")));
+    assert_eq!(value(&first, "sluice_subscriber_watermark_distance_max", None), one);
     // A purge pass (every second here) measures the log.
     let deadline = Instant::now() + WAIT;
     while !scrape().samples.iter().any(|s| s.metric == "sluice_change_log_size_bytes") {

@@ -294,8 +294,31 @@ impl prometheus_client::collector::Collector for StatusCollector {
             Some(&Unit::Seconds),
             max_lag as f64 / 1e3,
         )?;
+        let distance = |v: &crate::subscriber::SubscriberView| crate::watermark::distance(&v.acked, head);
+        let max_distance = views.iter().filter_map(distance).max();
+        if let Some(max) = max_distance {
+            gauge_value(
+                &mut encoder,
+                "subscriber_watermark_distance_max",
+                "How far the subscriber furthest behind is from the newest stored commit, in watermark units (WAL bytes for the Postgres source)",
+                None,
+                max as f64,
+            )?;
+        }
         views.sort_by_key(|v| std::cmp::Reverse(v.pending_bytes));
         views.truncate(MAX_SUBSCRIBER_SERIES);
+        let mut family = encoder.encode_descriptor(
+            "subscriber_watermark_distance",
+            "How far one subscriber's last ack is from the newest stored commit, in watermark units (the 500 with the most pending)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for v in &views {
+            if let Some(d) = distance(v) {
+                let labels = [("subscriber", v.id.as_str()), ("task", v.task_id.as_str())];
+                ConstGauge::new(d as f64).encode(family.encode_family(&labels)?)?;
+            }
+        }
         let mut family = encoder.encode_descriptor(
             "subscriber_pending",
             "Bytes queued for or in flight to one subscriber (the 500 with the most)",

@@ -1,4 +1,4 @@
 //! Watermarks: Zero's LexiVersion encoding and the resume rule, from the
 //! `sluice-watermark` crate the source plugins share.
 
-pub use sluice_watermark::{from_lexi, resumes, to_lexi};
+pub use sluice_watermark::{distance, from_lexi, resumes, to_lexi};

@@ -43,9 +43,33 @@ pub fn from_lexi(s: &str) -> Option<u128> {
     u128::from_str_radix(std::str::from_utf8(rest).ok()?, 36).ok()
 }
 
+/// How far watermark `behind` is from `head`, in the units of the
+/// LexiVersions they start with (WAL bytes for the Postgres source, the
+/// counter for others); anything after a LexiVersion (a source's own
+/// suffix, such as MariaDB's GTID position) is ignored. `None` when either
+/// does not start with a LexiVersion; 0 when `behind` is not behind.
+pub fn distance(behind: &str, head: &str) -> Option<u128> {
+    let leading = |w: &str| {
+        let len = (*w.as_bytes().first()? as char).to_digit(36)? as usize + 2;
+        from_lexi(w.get(..len)?)
+    };
+    Some(leading(head)?.saturating_sub(leading(behind)?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn distance_is_measured_on_the_leading_lexiversion() {
+        assert_eq!(distance(&to_lexi(100), &to_lexi(1_000_000)), Some(999_900));
+        assert_eq!(distance(&to_lexi(7), &to_lexi(7)), Some(0));
+        assert_eq!(distance(&to_lexi(9), &to_lexi(7)), Some(0), "ahead is not behind");
+        let (a, b) = (format!("{}.0-1-5", to_lexi(5)), format!("{}.0-1-40", to_lexi(40)));
+        assert_eq!(distance(&a, &b), Some(35), "a source's suffix is ignored");
+        assert_eq!(distance("not-a-lexi", &to_lexi(3)), None);
+        assert_eq!(distance("", &to_lexi(3)), None);
+    }
 
     #[test]
     fn encodes_zeros_examples() {
