@@ -162,6 +162,35 @@ async fn snapshot_then_every_kind_of_row_change() {
     assert_eq!(r.rollbacks, 0);
 }
 
+/// The snapshot's size is estimated from the planner's statistics (for the
+/// progress line's ETA) when every table was analyzed, and not otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_snapshot_estimates_its_rows_from_the_statistics() {
+    init_logs();
+    let up = upstream("pgsrc_estimate").await;
+    up.exec(
+        "CREATE TABLE big (id int PRIMARY KEY); INSERT INTO big SELECT generate_series(1, 3000);
+         CREATE TABLE small (id int PRIMARY KEY); INSERT INTO small SELECT generate_series(1, 500);
+         ANALYZE big; ANALYZE small",
+    )
+    .await;
+    let first_batch_estimate = |slot: &'static str| {
+        let config = up.config(slot);
+        async move {
+            let mut source = PostgresSource::new(&config).unwrap();
+            let mut stream = source.open(None).await.unwrap();
+            let first = stream.next_batch(100).await.unwrap();
+            assert!(matches!(first.first(), Some(sluice::source::model::Message::Begin(_))), "the snapshot begins");
+            stream.snapshot_rows_estimate()
+        }
+    };
+    assert_eq!(first_batch_estimate("pgsrc_estimate").await, Some(3500));
+    // A table never analyzed has no statistics: no estimate at all.
+    up.exec("CREATE TABLE fresh (id int PRIMARY KEY); INSERT INTO fresh VALUES (1)").await;
+    up.drop_slot("pgsrc_estimate").await;
+    assert_eq!(first_batch_estimate("pgsrc_estimate").await, None);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn values_keep_their_types_and_unchanged_toast_is_never_null() {
     init_logs();

@@ -239,6 +239,15 @@ impl prometheus_client::collector::Collector for StatusCollector {
                 bytes as f64,
             )?;
         }
+        if let Some(estimate) = s.snapshot_rows_estimate {
+            gauge_value(
+                &mut encoder,
+                "snapshot_rows_estimate",
+                "About how many rows the initial snapshot holds (Postgres: the planner's statistics)",
+                None,
+                estimate as f64,
+            )?;
+        }
         let total_bytes: u64 = s.snapshot_tables.iter().map(|t| t.bytes).sum();
         if !s.snapshot_tables.is_empty() {
             gauge_value(

@@ -74,6 +74,10 @@ pub struct Snapshot {
     /// the tables were begun.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub snapshot_tables: Vec<TableProgress>,
+    /// While a snapshot is stored: about how many rows it holds, when the
+    /// source can tell (the Postgres source, from the planner's statistics).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshot_rows_estimate: Option<u64>,
     /// The last purge: the floor it used (nothing below it is kept), what it
     /// deleted, and the change log's size on disk after it.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -60,4 +60,10 @@ pub trait ChangeStream: Send {
 
     /// Everything through `watermark` is durable downstream.
     async fn ack(&mut self, watermark: &str) -> Result<(), SourceError>;
+
+    /// While the initial snapshot is sent: about how many rows it holds,
+    /// when the source can tell (for the progress line's ETA).
+    fn snapshot_rows_estimate(&self) -> Option<u64> {
+        None
+    }
 }

@@ -340,6 +340,7 @@ impl Streamer {
                         s.replica_version = Some(rv);
                         s.lineage = LineageState::Established;
                         s.snapshot_tables.clear();
+                        s.snapshot_rows_estimate = None;
                     });
                 }),
             }
@@ -356,6 +357,7 @@ impl Streamer {
             s.replica_version = None;
             s.lineage = LineageState::Snapshotting { tables: 0, rows: 0 };
             s.snapshot_tables.clear();
+            s.snapshot_rows_estimate = None;
             s.last_watermark = None;
             s.min_watermark = None;
         });
@@ -484,6 +486,12 @@ impl Streamer {
             idle = Duration::from_millis(1);
             quiet = QuietSource::default();
             self.status.source_message();
+            if self.snapshotting {
+                let estimate = stream.snapshot_rows_estimate();
+                if estimate != self.status.snapshot().snapshot_rows_estimate {
+                    self.status.update(|s| s.snapshot_rows_estimate = estimate);
+                }
+            }
             let mut started = std::time::Instant::now();
             for msg in batch {
                 if let Err(end) = self.process(msg, &mut encoder, storer, state, &mut acks) {
@@ -695,13 +703,35 @@ impl Streamer {
             let current =
                 s.snapshot_tables.last().map(|t| format!("{} ({} rows)", t.table, t.rows)).unwrap_or_default();
             tracing::info!(
-                "snapshot: {total} rows, {:.1} MiB in {} tables so far, {rate:.0} rows/s; copying {current}",
+                "snapshot: {total} rows, {:.1} MiB in {} tables so far, {rate:.0} rows/s{}; copying {current}",
                 bytes as f64 / (1 << 20) as f64,
-                s.snapshot_tables.len()
+                s.snapshot_tables.len(),
+                eta_text(total, s.snapshot_rows_estimate, rate),
             );
             self.snapshot_line = Some((now, total));
         }
     }
+}
+
+/// The progress line's estimate, when the source gave a row count: the
+/// share done and the time left at the current rate. Past the estimate
+/// (statistics are approximate) it says so instead of counting down.
+fn eta_text(rows: u64, estimate: Option<u64>, rate: f64) -> String {
+    let Some(estimate) = estimate.filter(|&e| e > 0) else { return String::new() };
+    if rows >= estimate {
+        return format!(", past the ~{estimate} rows estimated");
+    }
+    let percent = rows as f64 * 100.0 / estimate as f64;
+    if rate <= 0.0 {
+        return format!(", {percent:.0}% of ~{estimate} rows");
+    }
+    let left = ((estimate - rows) as f64 / rate).ceil() as u64;
+    let left = match left {
+        s if s < 120 => format!("{s} s"),
+        s if s < 7200 => format!("{} min", s.div_ceil(60)),
+        s => format!("{:.1} h", s as f64 / 3600.0),
+    };
+    format!(", {percent:.0}% of ~{estimate} rows, about {left} left")
 }
 
 /// How often a snapshot being stored reports its progress in the log.
@@ -759,5 +789,20 @@ impl StreamState {
             stored_any: false,
             unflushed_bytes: 0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::eta_text;
+
+    #[test]
+    fn the_progress_line_counts_down_to_the_estimate() {
+        assert_eq!(eta_text(100, None, 50.0), "", "no estimate, no ETA");
+        assert_eq!(eta_text(250, Some(1000), 50.0), ", 25% of ~1000 rows, about 15 s left");
+        assert_eq!(eta_text(0, Some(1_000_000), 1000.0), ", 0% of ~1000000 rows, about 17 min left");
+        assert_eq!(eta_text(0, Some(100_000_000), 1000.0), ", 0% of ~100000000 rows, about 27.8 h left");
+        assert_eq!(eta_text(10, Some(100), 0.0), ", 10% of ~100 rows");
+        assert_eq!(eta_text(120, Some(100), 50.0), ", past the ~100 rows estimated");
     }
 }
