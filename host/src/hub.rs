@@ -227,15 +227,17 @@ impl Hub {
             // gap. Wait until the pass ends.
             StorerSlot::Running(_) => {
                 inner.storer = StorerSlot::Stopping(vec![(sub, rv)]);
-                drop(inner);
+                // Reported under the hub's lock, so concurrent changes reach
+                // `/status` in the order they happened.
                 self.status.update(|s| s.held_subscribers = 1);
+                drop(inner);
                 return;
             }
             StorerSlot::Stopping(waiting) | StorerSlot::Unclaimed(waiting) => {
                 waiting.push((sub, rv));
                 let held = waiting.len();
-                drop(inner);
                 self.status.update(|s| s.held_subscribers = held);
+                drop(inner);
                 return;
             }
             StorerSlot::Idle => true,
@@ -249,21 +251,23 @@ impl Hub {
     }
 
     /// Adds `sub` to the live fan-out (under the caller's lock, so nothing is
-    /// forwarded between its check of the storer and this) and reports the count.
+    /// forwarded between its check of the storer and this) and reports the
+    /// count. The report is made under the lock too: made after it, two
+    /// subscribers joining at once could leave the smaller count last.
     fn join_forwarder(&self, mut inner: MutexGuard<'_, Inner>, sub: &Arc<Subscriber>) {
         inner.forwarder.add(sub.clone());
         let count = inner.forwarder.len();
-        drop(inner);
         self.status.update(|s| s.subscribers = count);
+        drop(inner);
     }
 
     pub fn unsubscribe(&self, sub: &Arc<Subscriber>) {
         let mut inner = self.lock();
         inner.forwarder.remove(sub);
         let count = inner.forwarder.len();
+        self.status.update(|s| s.subscribers = count);
         drop(inner);
         sub.close(None);
-        self.status.update(|s| s.subscribers = count);
     }
 
     /// Every connected subscriber, as `/status` lists it.
