@@ -487,10 +487,9 @@ impl Streamer {
             quiet = QuietSource::default();
             self.status.source_message();
             if self.snapshotting {
+                // One lock per batch; counting the snapshot's rows takes one per row.
                 let estimate = stream.snapshot_rows_estimate();
-                if estimate != self.status.snapshot().snapshot_rows_estimate {
-                    self.status.update(|s| s.snapshot_rows_estimate = estimate);
-                }
+                self.status.update(|s| s.snapshot_rows_estimate = estimate);
             }
             let mut started = std::time::Instant::now();
             for msg in batch {
