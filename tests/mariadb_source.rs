@@ -124,6 +124,85 @@ async fn snapshot_then_every_kind_of_row_change() {
     sluice.spec().assert_whole().await;
 }
 
+/// The server's binlog head: the file being written and its size.
+fn binlog_head(m: &Maria) -> (String, u64) {
+    let status = m.sql("SHOW MASTER STATUS");
+    let mut fields = status.split('\t');
+    let file = fields.next().unwrap_or_default().to_string();
+    let offset = fields.next().and_then(|p| p.trim().parse().ok()).expect("SHOW MASTER STATUS gives the position");
+    (file, offset)
+}
+
+/// Pulls batches until the stream's binlog position gap is zero (the
+/// stream has read everything the server wrote); returns the row inserts
+/// pulled on the way.
+async fn read_until_caught_up(stream: &mut dyn sluice::source::ChangeStream) -> usize {
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut inserts = 0;
+    loop {
+        let batch = stream.next_batch(1000).await.unwrap();
+        inserts += batch.iter().filter(|m| matches!(m, sluice::source::model::Message::Insert(_))).count();
+        if batch.is_empty() && stream.progress().await.unwrap().behind_bytes == Some(0) {
+            return inserts;
+        }
+        assert!(std::time::Instant::now() < deadline, "the binlog position gap never fell to zero");
+    }
+}
+
+/// The plugin's `source-progress`: the snapshot's row estimate from
+/// InnoDB's statistics, and the binlog position gap, which grows by what
+/// the server writes while the stream does not read, and falls back to
+/// zero once it has. The replication loop puts the gap in `/status`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_snapshot_estimate_and_the_binlog_position_gap() {
+    init_logs();
+    let m = mariadb::shared();
+    m.database("msrc_progress");
+    m.sql(
+        "CREATE TABLE msrc_progress.t (id int PRIMARY KEY, v varchar(60));
+         INSERT INTO msrc_progress.t SELECT seq, CONCAT('row number ', seq) FROM msrc_progress.seq_1_to_3000;
+         ANALYZE TABLE msrc_progress.t",
+    );
+    let registry = Arc::new(Registry::load(&plugin_dir(), None).await.unwrap());
+    // A replica id of its own: the server closes a dump when another
+    // replica connects with the same id (other tests use the default).
+    let mut config = m.config(&["msrc_progress"]);
+    config["server_id"] = json!(5_381_042);
+    let mut source = source(&registry, &config.to_string()).await;
+    let mut stream = source.open(None).await.unwrap();
+    let first = stream.next_batch(100).await.unwrap();
+    assert!(matches!(first.first(), Some(sluice::source::model::Message::Begin(_))), "the snapshot begins");
+    let during = stream.progress().await.unwrap();
+    let estimate = during.snapshot_rows_estimate.expect("InnoDB estimates the table's rows");
+    assert!((1_500..=6_000).contains(&estimate), "about 3000 rows, estimated {estimate}");
+    assert!(during.behind_bytes.is_some(), "the binlog written since the snapshot's position is measured");
+
+    let first_rows = first.iter().filter(|m| matches!(m, sluice::source::model::Message::Insert(_))).count();
+    let snapshot_rows = first_rows + read_until_caught_up(stream.as_mut()).await;
+    assert_eq!(snapshot_rows, 3000, "the snapshot, and nothing since");
+    assert_eq!(stream.progress().await.unwrap().snapshot_rows_estimate, None, "no snapshot runs any more");
+
+    // The server writes while the stream reads nothing: the gap is at
+    // least what was written (other tests may write too).
+    let before = binlog_head(&m);
+    m.sql("INSERT INTO msrc_progress.t SELECT id + 10000, v FROM msrc_progress.t");
+    let after = binlog_head(&m);
+    let written = if after.0 == before.0 { after.1 - before.1 } else { after.1 };
+    assert!(written > 50_000, "3000 rows make a large binlog event: {written}");
+    let gap = stream.progress().await.unwrap().behind_bytes.expect("the gap is measured");
+    assert!(gap >= written, "the gap {gap} covers the {written} bytes written");
+    assert_eq!(read_until_caught_up(stream.as_mut()).await, 3000, "the stream read what the gap counted");
+    drop(stream);
+
+    // Through the replication loop, the gap reaches /status.
+    let sluice = start_sluice(config).await;
+    wait_until("the binlog position gap in /status", WAIT, || {
+        let gap = sluice.status.snapshot().upstream_behind_bytes;
+        async move { gap == Some(0) }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn values_of_every_type_are_the_same_from_the_snapshot_and_the_binlog() {
     init_logs();

@@ -181,7 +181,7 @@ async fn the_snapshot_estimates_its_rows_from_the_statistics() {
             let mut stream = source.open(None).await.unwrap();
             let first = stream.next_batch(100).await.unwrap();
             assert!(matches!(first.first(), Some(sluice::source::model::Message::Begin(_))), "the snapshot begins");
-            stream.snapshot_rows_estimate()
+            stream.progress().await.unwrap().snapshot_rows_estimate
         }
     };
     assert_eq!(first_batch_estimate("pgsrc_estimate").await, Some(3500));

@@ -239,11 +239,20 @@ impl prometheus_client::collector::Collector for StatusCollector {
                 bytes as f64,
             )?;
         }
+        if let Some(bytes) = s.upstream_behind_bytes {
+            gauge_value(
+                &mut encoder,
+                "source_upstream_behind",
+                "Upstream log the source has not read yet (MariaDB: the binlog position gap)",
+                Some(&Unit::Bytes),
+                bytes as f64,
+            )?;
+        }
         if let Some(estimate) = s.snapshot_rows_estimate {
             gauge_value(
                 &mut encoder,
                 "snapshot_rows_estimate",
-                "About how many rows the initial snapshot holds (Postgres: the planner's statistics)",
+                "About how many rows the initial snapshot holds (from the upstream's planner statistics)",
                 None,
                 estimate as f64,
             )?;

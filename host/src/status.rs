@@ -75,7 +75,8 @@ pub struct Snapshot {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub snapshot_tables: Vec<TableProgress>,
     /// While a snapshot is stored: about how many rows it holds, when the
-    /// source can tell (the Postgres source, from the planner's statistics).
+    /// source can tell (Postgres from the planner's statistics, MariaDB from
+    /// InnoDB's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub snapshot_rows_estimate: Option<u64>,
     /// The last purge: the floor it used (nothing below it is kept), what it
@@ -85,6 +86,10 @@ pub struct Snapshot {
     /// The built-in Postgres source: WAL the upstream keeps for its slot.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retained_wal_bytes: Option<u64>,
+    /// Upstream log the running stream has not read yet, for sources that
+    /// can tell (MariaDB: the binlog position gap).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_behind_bytes: Option<u64>,
     /// For sources that give commit times (`commitTimeMs`): how long the
     /// last durable transaction took from its upstream commit.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -8,12 +8,14 @@
 //! modules from depending on the plugin host, and keeps the macro expansion
 //! out of the host crate's incremental builds.
 
-/// The source world (`source-plugin`), which also generates the shared
-/// `sluice:plugin/types` interface.
+/// The source world with its optional progress export
+/// (`source-plugin-with-progress`), which also generates the shared
+/// `sluice:plugin/types` interface. The host loads the two exports one by
+/// one (`GuestIndices`), so a source without `source-progress` runs too.
 pub mod source_world {
     wasmtime::component::bindgen!({
         path: "../../wit",
-        world: "source-plugin",
+        world: "source-plugin-with-progress",
         exports: { default: async },
     });
 }

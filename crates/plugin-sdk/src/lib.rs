@@ -19,12 +19,12 @@ pub mod filter;
 pub mod net;
 pub mod source;
 
-/// The `source-plugin` world as wit-bindgen generates it (it also generates
-/// the shared `sluice:plugin/types` interface).
+/// The `source-plugin-with-progress` world as wit-bindgen generates it (it
+/// also generates the shared `sluice:plugin/types` interface).
 pub mod source_world {
     wit_bindgen::generate!({
         path: "../../wit",
-        world: "source-plugin",
+        world: "source-plugin-with-progress",
         additional_derives: [PartialEq],
         pub_export_macro: true,
         export_macro_name: "export_source_world",
@@ -41,12 +41,12 @@ pub mod filter_world {
         export_macro_name: "export_filter_world",
         additional_derives: [PartialEq],
         default_bindings_module: "sluice_plugin_sdk::filter_world",
-        with: { "sluice:plugin/types@0.3.0": crate::source_world::sluice::plugin::types },
+        with: { "sluice:plugin/types@0.3.1": crate::source_world::sluice::plugin::types },
     });
 }
 
 pub use filter::{Filter, Policy, Verdict};
-pub use source::{Resume, Source};
+pub use source::{Progress, Resume, Source};
 /// The change model: messages, rows, values, schema changes, errors.
 pub use source_world::sluice::plugin::types;
 

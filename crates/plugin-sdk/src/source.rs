@@ -12,6 +12,7 @@
 //!     fn replica_version(&self) -> String { "00".into() }
 //!     fn next_batch(&mut self, max: u32) -> Result<Vec<Message>, PluginError> { ... }
 //!     fn ack(&mut self, _watermark: &str) -> Result<(), PluginError> { Ok(()) }
+//!     // Optional: `fn progress(&mut self) -> Progress` for /status and /metrics.
 //! }
 //!
 //! sluice_plugin_sdk::export_source!(Counter);
@@ -20,6 +21,7 @@
 use std::cell::RefCell;
 
 use crate::source_world::exports::sluice::plugin::source::{ChangeStream, GuestChangeStream, ResumePoint};
+pub use crate::source_world::exports::sluice::plugin::source_progress::ProgressReport as Progress;
 use crate::types::{Message, PluginError};
 
 /// Where the host's change log stands when a stream is to continue it.
@@ -57,6 +59,14 @@ pub trait Source: Sized + 'static {
 
     /// Everything through `watermark` is durable in the change log.
     fn ack(&mut self, watermark: &str) -> Result<(), PluginError>;
+
+    /// How far the stream is from its upstream, for `/status` and
+    /// `/metrics`: the bytes of upstream log not read yet, and while the
+    /// initial snapshot runs, about how many rows it holds. Asked about once
+    /// a second under the call deadline; the default knows neither.
+    fn progress(&mut self) -> Progress {
+        Progress { behind_bytes: None, snapshot_rows_estimate: None }
+    }
 }
 
 /// The `change-stream` resource around a [`Source`].
@@ -74,6 +84,14 @@ impl<S: Source> GuestChangeStream for Stream<S> {
 
     fn ack(&self, watermark: String) -> Result<(), PluginError> {
         self.0.borrow_mut().ack(&watermark)
+    }
+}
+
+impl<S: Source> Stream<S> {
+    /// The WIT `source-progress.progress`, for [`export_source!`](crate::export_source).
+    #[doc(hidden)]
+    pub fn progress(&self) -> Progress {
+        self.0.borrow_mut().progress()
     }
 }
 
@@ -103,6 +121,14 @@ macro_rules! export_source {
             ) -> Result<$crate::source_world::exports::sluice::plugin::source::ChangeStream, $crate::types::PluginError>
             {
                 $crate::source::open::<$source>(config, resume)
+            }
+        }
+
+        impl $crate::source_world::exports::sluice::plugin::source_progress::Guest for SluiceSourcePlugin {
+            fn progress(
+                of: $crate::source_world::exports::sluice::plugin::source::ChangeStreamBorrow<'_>,
+            ) -> $crate::source::Progress {
+                of.get::<$crate::source::Stream<$source>>().progress()
             }
         }
 

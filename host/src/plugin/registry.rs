@@ -21,14 +21,13 @@ use std::time::SystemTime;
 
 use anyhow::Context;
 use sluice_contract::filter_world::FilterPluginPre;
-use sluice_contract::source_world::SourcePluginPre;
 use tokio::sync::watch;
 use wasmtime::component::{Component, Linker};
 use wasmtime::Engine;
 
 use super::cache::CodeCache;
 use super::sandbox::{self, HostState, NetGrant, SandboxLimits};
-use super::wasm_source::WasmSource;
+use super::wasm_source::{SourcePre, WasmSource};
 use super::{WIT_PACKAGE, WIT_VERSION};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,7 +95,7 @@ struct Loaded {
 
 /// A plugin ready to instantiate, by kind.
 enum Pre {
-    Source(SourcePluginPre<HostState>),
+    Source(SourcePre),
     Filter(FilterPluginPre<HostState>),
 }
 
@@ -413,7 +412,7 @@ impl Registry {
 
     /// The source plugin `name` as loaded now, with its generation, if it
     /// loaded as a source.
-    pub(super) fn current_source(&self, name: &str) -> Option<(SourcePluginPre<HostState>, u64)> {
+    pub(super) fn current_source(&self, name: &str) -> Option<(SourcePre, u64)> {
         let slot = self.slot(name)?;
         match slot.loaded.get()?.pre.as_ref()? {
             Pre::Source(pre) => Some((pre.clone(), slot.generation)),
@@ -470,8 +469,8 @@ async fn load_one(
     let mut store = sandbox::new_store(engine, &info.name, SandboxLimits::default(), &NetGrant::default());
     match kind {
         PluginKind::Source => {
-            let pre = SourcePluginPre::new(pre).map_err(|e| format!("does not match the source interface: {e}"))?;
-            pre.instantiate_async(&mut store).await.map_err(|e| format!("trial instantiation failed: {e}"))?;
+            let pre = SourcePre::new(pre).map_err(|e| format!("does not match the source interface: {e}"))?;
+            pre.instantiate(&mut store).await.map_err(|e| format!("trial instantiation failed: {e}"))?;
             Ok(Pre::Source(pre))
         }
         PluginKind::Filter => {

@@ -9,20 +9,54 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use futures::future::BoxFuture;
-use sluice_contract::source_world::exports::sluice::plugin::source::ResumePoint;
-use sluice_contract::source_world::{SourcePlugin, SourcePluginPre};
-use wasmtime::component::ResourceAny;
+use sluice_contract::source_world::exports::sluice::plugin::source::{self as source_export, ResumePoint};
+use sluice_contract::source_world::exports::sluice::plugin::source_progress;
+use wasmtime::component::{InstancePre, ResourceAny};
 use wasmtime::{Engine, Store};
 
 use super::sandbox::{self, HostState, NetGrant, SandboxLimits};
 use super::Registry;
 use crate::source::model::{Message, PluginError};
-use crate::source::{ChangeSource, ChangeStream, Resume, SourceError};
+use crate::source::{ChangeSource, ChangeStream, Resume, SourceError, SourceProgress};
+
+/// A source plugin ready to instantiate: its `source` export, and its
+/// `source-progress` export when it has one (optional since 0.3.1, so a
+/// plugin built against 0.3.0 still runs).
+#[derive(Clone)]
+pub struct SourcePre {
+    instance: InstancePre<HostState>,
+    source: source_export::GuestIndices,
+    progress: Option<source_progress::GuestIndices>,
+}
+
+/// The exports of one instance of a source plugin.
+pub(super) struct SourceExports {
+    source: source_export::Guest,
+    progress: Option<source_progress::Guest>,
+}
+
+impl SourcePre {
+    pub(super) fn new(instance: InstancePre<HostState>) -> wasmtime::Result<SourcePre> {
+        let source = source_export::GuestIndices::new(&instance)?;
+        let progress = source_progress::GuestIndices::new(&instance).ok();
+        Ok(SourcePre { instance, source, progress })
+    }
+
+    pub(super) async fn instantiate(&self, store: &mut Store<HostState>) -> wasmtime::Result<SourceExports> {
+        let instance = self.instance.instantiate_async(&mut *store).await?;
+        let source = self.source.load(&mut *store, &instance)?;
+        let progress = match &self.progress {
+            Some(indices) => Some(indices.load(&mut *store, &instance)?),
+            None => None,
+        };
+        Ok(SourceExports { source, progress })
+    }
+}
 
 pub struct WasmSource {
     registry: Arc<Registry>,
     name: String,
-    pre: SourcePluginPre<HostState>,
+    pre: SourcePre,
     /// The registry's generation of `pre`.
     generation: u64,
     config: String,
@@ -34,7 +68,7 @@ impl WasmSource {
     pub(super) fn new(
         registry: Arc<Registry>,
         name: String,
-        (pre, generation): (SourcePluginPre<HostState>, u64),
+        (pre, generation): (SourcePre, u64),
         config: String,
         limits: SandboxLimits,
         net: NetGrant,
@@ -104,20 +138,19 @@ impl ChangeSource for WasmSource {
             ))
         };
         store.data_mut().arm_deadline(self.limits.call_deadline);
-        let plugin = match self.pre.instantiate_async(&mut store).await {
+        let plugin = match self.pre.instantiate(&mut store).await {
             Ok(p) => p,
             Err(e) => return Err(fail(&store, e)),
         };
         store.data_mut().arm_deadline(self.limits.call_deadline);
-        let opened =
-            plugin.sluice_plugin_source().call_open(&mut store, &self.config, resume.map(resume_point).as_ref()).await;
+        let opened = plugin.source.call_open(&mut store, &self.config, resume.map(resume_point).as_ref()).await;
         let handle = match opened {
             Ok(Ok(h)) => h,
             Ok(Err(e)) => return Err(plugin_error(&self.name, e)),
             Err(e) => return Err(fail(&store, e)),
         };
         store.data_mut().arm_deadline(self.limits.call_deadline);
-        let rv = plugin.sluice_plugin_source().change_stream().call_replica_version(&mut store, handle).await;
+        let rv = plugin.source.change_stream().call_replica_version(&mut store, handle).await;
         let replica_version = match rv {
             Ok(v) => v,
             Err(e) => return Err(fail(&store, e)),
@@ -139,7 +172,7 @@ impl ChangeSource for WasmSource {
 struct WasmStream {
     name: String,
     store: Store<HostState>,
-    plugin: SourcePlugin,
+    plugin: SourceExports,
     handle: ResourceAny,
     replica_version: String,
     limits: SandboxLimits,
@@ -167,7 +200,7 @@ impl ChangeStream for WasmStream {
 
     async fn next_batch(&mut self, max: u32) -> Result<Vec<Message>, SourceError> {
         self.arm();
-        let stream = self.plugin.sluice_plugin_source().change_stream();
+        let stream = self.plugin.source.change_stream();
         let started = std::time::Instant::now();
         let called = stream.call_next_batch(&mut self.store, self.handle, max).await;
         sandbox::SOURCE_CALLS.record(started, &called, self.store.data());
@@ -180,13 +213,29 @@ impl ChangeStream for WasmStream {
 
     async fn ack(&mut self, watermark: &str) -> Result<(), SourceError> {
         self.arm();
-        let stream = self.plugin.sluice_plugin_source().change_stream();
+        let stream = self.plugin.source.change_stream();
         let started = std::time::Instant::now();
         let called = stream.call_ack(&mut self.store, self.handle, &watermark.to_string()).await;
         sandbox::SOURCE_CALLS.record(started, &called, self.store.data());
         match called {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(plugin_error(&self.name, e)),
+            Err(e) => Err(self.failure(e)),
+        }
+    }
+
+    async fn progress(&mut self) -> Result<SourceProgress, SourceError> {
+        let Some(progress) = self.plugin.progress.clone() else {
+            return Ok(SourceProgress::default());
+        };
+        self.arm();
+        let started = std::time::Instant::now();
+        let called = progress.call_progress(&mut self.store, self.handle).await;
+        sandbox::SOURCE_CALLS.record(started, &called, self.store.data());
+        match called {
+            Ok(p) => {
+                Ok(SourceProgress { behind_bytes: p.behind_bytes, snapshot_rows_estimate: p.snapshot_rows_estimate })
+            }
             Err(e) => Err(self.failure(e)),
         }
     }

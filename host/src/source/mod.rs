@@ -61,9 +61,20 @@ pub trait ChangeStream: Send {
     /// Everything through `watermark` is durable downstream.
     async fn ack(&mut self, watermark: &str) -> Result<(), SourceError>;
 
-    /// While the initial snapshot is sent: about how many rows it holds,
-    /// when the source can tell (for the progress line's ETA).
-    fn snapshot_rows_estimate(&self) -> Option<u64> {
-        None
+    /// How far the stream is from its upstream, as far as the source can
+    /// tell. The replication loop asks about once a second.
+    async fn progress(&mut self) -> Result<SourceProgress, SourceError> {
+        Ok(SourceProgress::default())
     }
+}
+
+/// What a stream knows of its distance to the upstream (`None`: unknown).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SourceProgress {
+    /// Upstream log written but not read yet (MariaDB: the binlog position
+    /// gap). The Postgres source's retained WAL is measured on the side.
+    pub behind_bytes: Option<u64>,
+    /// While the initial snapshot is sent: about how many rows it holds
+    /// (for the progress line's ETA).
+    pub snapshot_rows_estimate: Option<u64>,
 }

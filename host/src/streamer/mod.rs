@@ -396,6 +396,8 @@ impl Streamer {
         let mut replaced = self.source.replacement().unwrap_or_else(|| Box::pin(futures::future::pending()));
 
         let end = self.pump(stream.as_mut(), &storer, &mut durable_rx, &mut state, shutdown, &mut replaced).await;
+        // No stream, no distance to report (a back-off must not show the last one).
+        self.status.update(|s| s.upstream_behind_bytes = None);
 
         if let Some(w) = &state.tx {
             tracing::warn!("aborting interrupted transaction {w}");
@@ -438,6 +440,7 @@ impl Streamer {
         let mut acks: Vec<String> = Vec::new();
         let mut idle = Duration::from_millis(1);
         let mut quiet = QuietSource::default();
+        let mut next_progress = std::time::Instant::now();
         // Set when the source's code was replaced: the stream ends at the
         // next transaction boundary, so nothing is rolled back for it.
         let mut reopen: Option<String> = None;
@@ -471,6 +474,18 @@ impl Streamer {
                 Ok(b) => b,
                 Err(e) => return e.into(),
             };
+            if pulled >= next_progress {
+                // Asked after a batch, so a snapshot's first batch (which
+                // makes the estimate) is already counted.
+                next_progress = pulled + PROGRESS_EVERY;
+                match stream.progress().await {
+                    Ok(p) => self.status.update(|s| {
+                        s.upstream_behind_bytes = p.behind_bytes;
+                        s.snapshot_rows_estimate = p.snapshot_rows_estimate.filter(|_| self.snapshotting);
+                    }),
+                    Err(e) => return e.into(),
+                }
+            }
             if batch.is_empty() {
                 quiet.check(self.source.name());
                 // Nothing now: wait a little (longer while it stays quiet), but
@@ -486,11 +501,6 @@ impl Streamer {
             idle = Duration::from_millis(1);
             quiet = QuietSource::default();
             self.status.source_message();
-            if self.snapshotting {
-                // One lock per batch; counting the snapshot's rows takes one per row.
-                let estimate = stream.snapshot_rows_estimate();
-                self.status.update(|s| s.snapshot_rows_estimate = estimate);
-            }
             let mut started = std::time::Instant::now();
             for msg in batch {
                 if let Err(end) = self.process(msg, &mut encoder, storer, state, &mut acks) {
@@ -735,6 +745,8 @@ fn eta_text(rows: u64, estimate: Option<u64>, rate: f64) -> String {
 
 /// How often a snapshot being stored reports its progress in the log.
 const SNAPSHOT_LINE_EVERY: Duration = Duration::from_secs(10);
+/// How often the loop asks the source how far it is from its upstream.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 
 /// A connected source that sends nothing (not even a status) for long may
 /// be stalled: say so in the log, after a minute and then at doubling

@@ -28,6 +28,7 @@ use serde::Deserialize;
 pub mod binlog;
 pub mod client;
 pub mod ddl;
+pub mod lag;
 mod replication;
 mod snapshot;
 mod tables;
@@ -37,7 +38,7 @@ pub mod wire;
 use client::{Client, ClientError};
 pub use sluice_plugin_sdk::types::Value;
 use sluice_plugin_sdk::types::{Message, PluginError};
-use sluice_plugin_sdk::{Resume, Source};
+use sluice_plugin_sdk::{Progress, Resume, Source};
 
 #[derive(Debug, Deserialize, Clone)]
 #[serde(deny_unknown_fields)]
@@ -273,6 +274,8 @@ pub struct Stream {
     phase: Phase,
     /// An error met after part of a batch was converted: reported next call.
     deferred: Option<PluginError>,
+    /// Asks the server how much binlog there is (`progress`).
+    monitor: lag::Monitor,
 }
 
 impl Source for Stream {
@@ -296,7 +299,7 @@ impl Source for Stream {
                 )?)
             }
         };
-        Ok(Stream { config, phase, deferred: None })
+        Ok(Stream { config, phase, deferred: None, monitor: lag::Monitor::default() })
     }
 
     fn next_batch(&mut self, max: u32) -> Result<Vec<Message>, PluginError> {
@@ -343,6 +346,17 @@ impl Source for Stream {
     /// (binlog_expire_logs_seconds); there is nothing to release.
     fn ack(&mut self, _watermark: &str) -> Result<(), PluginError> {
         Ok(())
+    }
+
+    /// The binlog position gap (while the snapshot runs: the binlog written
+    /// since its position), and the snapshot's row estimate.
+    fn progress(&mut self) -> Progress {
+        let (read, snapshot_rows_estimate) = match &self.phase {
+            Phase::Snapshot(s) => (&s.binlog, s.rows_estimate),
+            Phase::Replicating(r) => (&r.read, None),
+            Phase::Done(_) => return Progress { behind_bytes: None, snapshot_rows_estimate: None },
+        };
+        Progress { behind_bytes: self.monitor.measure(&self.config, read), snapshot_rows_estimate }
     }
 }
 

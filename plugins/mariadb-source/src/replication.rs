@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use crate::binlog::{self, kind, RowsKind, TableMap};
 use crate::client::{quote, Client, ClientError};
 use crate::ddl::{self, AlterOp, Ddl, TableRef};
+use crate::lag::ReadPosition;
 use crate::tables::{column_spec, table_name, Tables};
 use crate::wire::Poll;
 use crate::{check_server, watermark, Config, GtidPos};
@@ -47,6 +48,8 @@ pub struct Replication {
     tx: Option<Tx>,
     /// A reset-required went out: this stream is over.
     pub ended: bool,
+    /// Where in the binlog the dump has read to (for the position gap).
+    pub read: ReadPosition,
     last_heard: Instant,
     silence_limit: Duration,
 }
@@ -116,6 +119,7 @@ impl Replication {
             tables,
             tx: None,
             ended: false,
+            read: ReadPosition::default(),
             last_heard: Instant::now(),
             silence_limit: Duration::from_millis(config.heartbeat_ms.max(10) * 3 + 2000),
         }))
@@ -180,8 +184,23 @@ impl Replication {
         let event = &p[1..];
         let bad = |e: String| PluginError::Transient(format!("MariaDB at {}: {e}", self.endpoint));
         let (h, body) = binlog::split(event, self.checksums).map_err(bad)?;
+        self.read.advance(h.log_pos);
         match h.kind {
             kind::FORMAT_DESCRIPTION => self.checksums = binlog::fde_checksums(event),
+            kind::ROTATE => {
+                let (offset, file) = binlog::rotate(body).map_err(bad)?;
+                self.read.rotate(offset, file);
+            }
+            // The server's own word on where the dump stands: its file (the
+            // offset is the header's).
+            kind::HEARTBEAT => {
+                if let Ok(file) = std::str::from_utf8(body) {
+                    let file = file.trim_end_matches('\0');
+                    if !file.is_empty() {
+                        self.read.file = file.to_string();
+                    }
+                }
+            }
             kind::GTID => {
                 let g = binlog::gtid(&h, body).map_err(bad)?;
                 if let Some(tx) = &self.tx {
@@ -264,8 +283,8 @@ impl Replication {
                     self.endpoint
                 )));
             }
-            // ROTATE, GTID_LIST, HEARTBEAT, ANNOTATE_ROWS, BINLOG_CHECKPOINT,
-            // STOP, ...: nothing a replica needs.
+            // GTID_LIST, ANNOTATE_ROWS, BINLOG_CHECKPOINT, STOP, ...:
+            // nothing a replica needs.
             _ => {}
         }
         Ok(())

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::client::{ident, quote, text, Client, Row};
 use crate::ddl::{ColumnDef, TableRef};
+use crate::lag::ReadPosition;
 use crate::replication::Replication;
 use crate::tables::Tables;
 use crate::types::{decode_text, ColType};
@@ -20,6 +21,11 @@ const BATCH_TIME: Duration = Duration::from_millis(250);
 
 pub struct Snapshot {
     pub replica_version: String,
+    /// The snapshot's binlog position: what the binlog stream reads from.
+    pub binlog: ReadPosition,
+    /// About how many rows the captured tables hold (InnoDB's estimate);
+    /// `None` when a table has no estimate.
+    pub rows_estimate: Option<u64>,
     client: Option<Client>,
     pos: GtidPos,
     counter: u64,
@@ -81,7 +87,9 @@ impl Snapshot {
         let pos = GtidPos::parse(&gtid).map_err(|e| PluginError::Fatal(format!("MariaDB at {endpoint}: {e}")))?;
 
         let mut pending = VecDeque::new();
-        for t in captured_tables(&mut c, config).map_err(transient(&endpoint, "listing tables"))? {
+        let captured = captured_tables(&mut c, config).map_err(transient(&endpoint, "listing tables"))?;
+        let rows_estimate = captured.iter().map(|(_, rows)| *rows).sum::<Option<u64>>();
+        for (t, _) in captured {
             let (columns, pk) = describe(&mut c, &t).map_err(|e| match e {
                 Described::Client(e) => {
                     PluginError::Transient(format!("MariaDB at {endpoint}: describing {}.{}: {e}", t.db, t.table))
@@ -96,6 +104,8 @@ impl Snapshot {
         let counter = pos.seq_sum();
         Ok(Box::new(Snapshot {
             replica_version: to_lexi(counter),
+            binlog: ReadPosition { file, offset },
+            rows_estimate,
             client: Some(c),
             pos,
             counter,
@@ -175,14 +185,18 @@ impl Snapshot {
     }
 }
 
-fn captured_tables(c: &mut Client, config: &Config) -> Result<Vec<TableRef>, crate::client::ClientError> {
+/// The captured tables, with the engine's estimate of their row counts.
+fn captured_tables(
+    c: &mut Client,
+    config: &Config,
+) -> Result<Vec<(TableRef, Option<u64>)>, crate::client::ClientError> {
     let mut dbs: Vec<String> = config.databases.clone();
     dbs.extend(config.tables.iter().filter_map(|t| t.split_once('.').map(|(d, _)| d.to_string())));
     dbs.sort();
     dbs.dedup();
     let list: Vec<String> = dbs.iter().map(|d| quote(d)).collect();
     let rows = c.query(&format!(
-        "SELECT TABLE_SCHEMA, TABLE_NAME FROM information_schema.TABLES \
+        "SELECT TABLE_SCHEMA, TABLE_NAME, TABLE_ROWS FROM information_schema.TABLES \
          WHERE TABLE_TYPE = 'BASE TABLE' AND TABLE_SCHEMA IN ({}) ORDER BY 1, 2",
         list.join(", ")
     ))?;
@@ -190,9 +204,10 @@ fn captured_tables(c: &mut Client, config: &Config) -> Result<Vec<TableRef>, cra
         .into_iter()
         .filter_map(|r| {
             let mut it = r.into_iter().map(|v| v.map(text).unwrap_or_default());
-            Some(TableRef { db: it.next()?, table: it.next()? })
+            let table = TableRef { db: it.next()?, table: it.next()? };
+            Some((table, it.next().and_then(|rows| rows.parse().ok())))
         })
-        .filter(|t| config.captures(&t.db, &t.table))
+        .filter(|(t, _)| config.captures(&t.db, &t.table))
         .collect())
 }
 

@@ -15,7 +15,7 @@ use sluice_plugin_sdk::types::{
     SortOrder, TableSpec, Value,
 };
 use sluice_plugin_sdk::watermark::{from_lexi, to_lexi};
-use sluice_plugin_sdk::{Resume, Source};
+use sluice_plugin_sdk::{Progress, Resume, Source};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -376,6 +376,15 @@ impl Source for State {
 
     fn ack(&mut self, _watermark: &str) -> Result<(), PluginError> {
         Ok(())
+    }
+
+    /// Transaction 1 is a new lineage's snapshot, and its row count is known.
+    fn progress(&mut self) -> Progress {
+        let snapshotting = self.next_tx == 1;
+        Progress {
+            behind_bytes: None,
+            snapshot_rows_estimate: snapshotting.then_some(u64::from(self.config.rows_per_tx)),
+        }
     }
 }
 

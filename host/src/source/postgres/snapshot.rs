@@ -22,6 +22,7 @@ use super::values::from_text;
 use super::wire::ReplConnection;
 use super::PostgresSourceConfig;
 use crate::source::model::{Begin, Commit, CreateTable, Insert, Message, SchemaChange, Value};
+use crate::source::SourceProgress;
 use crate::source::{ChangeStream, SourceError};
 
 enum Phase {
@@ -209,10 +210,10 @@ impl ChangeStream for SnapshotStream {
         }
     }
 
-    fn snapshot_rows_estimate(&self) -> Option<u64> {
-        match self.phase {
-            Phase::Streaming(_) => None,
-            _ => self.rows_estimate,
+    async fn progress(&mut self) -> Result<SourceProgress, SourceError> {
+        match &mut self.phase {
+            Phase::Streaming(stream) => stream.progress().await,
+            _ => Ok(SourceProgress { behind_bytes: None, snapshot_rows_estimate: self.rows_estimate }),
         }
     }
 }
