@@ -14,22 +14,42 @@ use tokio_tungstenite::tungstenite::Message as Ws;
 
 use crate::{cpu_seconds, free_addr, http_status, peak_rss_mib, percentile, plugin_dir, sluice_binary, split_frame};
 
+/// A `sluice run` the bench started; stopped when dropped, also when a part
+/// fails half-way.
+struct Sluice(Child);
+
+impl Sluice {
+    fn id(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Sluice {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A `sluice run` on the mock source with `config`, and its address.
-async fn start(tmp: &Path, name: &str, config: serde_json::Value, extra: &[&str]) -> anyhow::Result<(Child, String)> {
+async fn start(tmp: &Path, name: &str, config: serde_json::Value, extra: &[&str]) -> anyhow::Result<(Sluice, String)> {
     let addr = free_addr();
     let db = tmp.join(format!("fleet-{name}.db"));
-    let child = Command::new(sluice_binary())
-        .args(["run", "--source", "mock-source", "--listen", &addr, "--max-connections", "0"])
-        .arg("--plugins")
-        .arg(plugin_dir())
-        .arg("--change-db")
-        .arg(format!("sqlite:{}", db.display()))
-        .arg("--source-config")
-        .arg(config.to_string())
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
+    let child = Sluice(
+        Command::new(sluice_binary())
+            .args(["run", "--source", "mock-source", "--listen", &addr, "--max-connections", "0"])
+            .arg("--plugins")
+            .arg(plugin_dir())
+            .arg("--change-db")
+            .arg(format!("sqlite:{}", db.display()))
+            .arg("--source-config")
+            .arg(config.to_string())
+            .args(extra)
+            .stdout(Stdio::null())
+            // Sluice's log, for when a part fails.
+            .stderr(std::fs::File::create(std::env::temp_dir().join("sluice-bench-fleet.log"))?)
+            .spawn()?,
+    );
     let started = Instant::now();
     while std::net::TcpStream::connect(&addr).is_err() {
         anyhow::ensure!(started.elapsed() < Duration::from_secs(30), "sluice did not start");
@@ -163,7 +183,7 @@ async fn flood(tmp: &Path, n: usize) -> anyhow::Result<()> {
     // 10 s of history first, then the flood for the rest.
     let txs = 200 * (secs + 10);
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": 100, "rate": 200.0, "timestamps": true});
-    let (mut child, addr) = start(tmp, "flood", config, &[]).await?;
+    let (child, addr) = start(tmp, "flood", config, &[]).await?;
     let head = sluice::watermark::to_lexi(2000);
     wait_status(&addr, "10 s of history", |s| s["lastWatermark"].as_str().is_some_and(|w| w >= head.as_str())).await?;
     let stop = Arc::new(AtomicBool::new(false));
@@ -201,8 +221,7 @@ async fn flood(tmp: &Path, n: usize) -> anyhow::Result<()> {
     let after = rss_mib(child.id()).unwrap_or(0.0);
     let left = http_status(&addr).await?;
     let (held_after, scans_after) = (left["subscriberMemory"]["usedBytes"].clone(), left["catchup"]["scans"].clone());
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
     if let Ok(path) = std::env::var("SLUICE_BENCH_DUMP") {
         let lines: Vec<String> = latencies.iter().map(|l| l.to_string()).collect();
         std::fs::write(path, lines.join("\n"))?;
@@ -225,7 +244,7 @@ async fn catchups(tmp: &Path, n: usize, changes: usize, shared: bool) -> anyhow:
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": 100});
     let name = if shared { "catchup-shared" } else { "catchup-independent" };
     let extra: &[&str] = if shared { &[] } else { &["--no-shared-catchup"] };
-    let (mut child, addr) = start(tmp, name, config, extra).await?;
+    let (child, addr) = start(tmp, name, config, extra).await?;
     let last = sluice::watermark::to_lexi(txs as u128);
     wait_status(&addr, "the log to be stored", |s| s["lastWatermark"].as_str() == Some(last.as_str())).await?;
     let counted = Arc::new(AtomicU64::new(0));
@@ -241,8 +260,7 @@ async fn catchups(tmp: &Path, n: usize, changes: usize, shared: bool) -> anyhow:
     let cpu = cpu_seconds(child.id()).unwrap_or(0.0) - cpu0;
     let status = http_status(&addr).await?;
     let peak = peak_rss_mib(child.id()).unwrap_or(0.0);
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
     let delivered = counted.load(Ordering::Relaxed);
     let read = status["catchup"]["rowsRead"].as_u64().unwrap_or(0);
     println!(
@@ -261,7 +279,7 @@ async fn catchups(tmp: &Path, n: usize, changes: usize, shared: bool) -> anyhow:
 /// writing one transaction a second: sluice's memory per connection.
 async fn idle(tmp: &Path, n: usize) -> anyhow::Result<()> {
     let config = serde_json::json!({"transactions": 1_000_000, "rows_per_tx": 1, "row_bytes": 100, "rate": 1.0});
-    let (mut child, addr) = start(tmp, "idle", config, &[]).await?;
+    let (child, addr) = start(tmp, "idle", config, &[]).await?;
     let status = wait_status(&addr, "a stored transaction", |s| s["lastWatermark"].is_string()).await?;
     let from = status["lastWatermark"].as_str().unwrap_or("00").to_string();
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -288,8 +306,7 @@ async fn idle(tmp: &Path, n: usize) -> anyhow::Result<()> {
     for s in subs {
         s.abort();
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
     println!(
         "{n} idle subscribers acking at the head: sluice RSS {before:.0} MiB before, {after:.0} MiB with them: {:.1} KiB each",
         (after - before) * 1024.0 / n as f64
