@@ -4,7 +4,7 @@
 //! scans against one scan each), and idle connections.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use futures::{FutureExt, SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::Message as Ws;
 
-use crate::{cpu_seconds, free_addr, http_status, peak_rss_mib, percentile, plugin_dir, sluice_binary, split_frame};
+use crate::{cpu_seconds, free_addr, http_status, mock_sluice, peak_rss_mib, percentile, split_frame};
 
 /// A `sluice run` the bench started; stopped when dropped, also when a part
 /// fails half-way.
@@ -36,14 +36,8 @@ async fn start(tmp: &Path, name: &str, config: serde_json::Value, extra: &[&str]
     let addr = free_addr();
     let db = tmp.join(format!("fleet-{name}.db"));
     let child = Sluice(
-        Command::new(sluice_binary())
-            .args(["run", "--source", "mock-source", "--listen", &addr, "--max-connections", "0"])
-            .arg("--plugins")
-            .arg(plugin_dir())
-            .arg("--change-db")
-            .arg(format!("sqlite:{}", db.display()))
-            .arg("--source-config")
-            .arg(config.to_string())
+        mock_sluice(&addr, &db, &config)
+            .args(["--max-connections", "0"])
             .args(extra)
             .stdout(Stdio::null())
             // Sluice's log, for when a part fails.

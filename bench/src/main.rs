@@ -210,6 +210,21 @@ fn sluice_binary() -> PathBuf {
     std::env::current_exe().expect("own path").with_file_name("sluice")
 }
 
+/// `sluice run` on the mock source with `config`, serving on `addr`, its
+/// change log in the SQLite file `db`; the caller adds its own flags.
+fn mock_sluice(addr: &str, db: &Path, config: &serde_json::Value) -> std::process::Command {
+    let mut command = std::process::Command::new(sluice_binary());
+    command
+        .args(["run", "--source", "mock-source", "--listen", addr])
+        .arg("--plugins")
+        .arg(plugin_dir())
+        .arg("--change-db")
+        .arg(format!("sqlite:{}", db.display()))
+        .arg("--source-config")
+        .arg(config.to_string());
+    command
+}
+
 /// `GET /status` of a running `sluice` process, as JSON.
 async fn http_status(addr: &str) -> anyhow::Result<serde_json::Value> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -448,14 +463,8 @@ async fn fanout_over(
         serde_json::json!({"transactions": txs, "rows_per_tx": 10, "row_bytes": 100, "rate": rate, "timestamps": true});
     // Subscribers connect at the replica version while the source runs;
     // catch-up covers what was stored before they joined.
-    let mut child = std::process::Command::new(sluice_binary())
-        .args(["run", "--source", "mock-source", "--listen", &addr, "--lag-grace-secs", "0"])
-        .arg("--plugins")
-        .arg(plugin_dir())
-        .arg("--change-db")
-        .arg(format!("sqlite:{}", db.display()))
-        .arg("--source-config")
-        .arg(config.to_string())
+    let mut child = mock_sluice(&addr, &db, &config)
+        .args(["--lag-grace-secs", "0"])
         .args(
             tls.map(|t| vec!["--tls-cert".into(), t.cert.clone(), "--tls-key".into(), t.key.clone()])
                 .unwrap_or_default(),

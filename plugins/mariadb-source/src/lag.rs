@@ -72,7 +72,6 @@ impl Monitor {
                 gap(read, &logs)
             }
             Err(why) => {
-                self.client = None;
                 self.retry_at = Some(Instant::now() + RETRY_AFTER);
                 if self.said.as_deref() != Some(why.as_str()) {
                     eprintln!(
@@ -87,12 +86,15 @@ impl Monitor {
         }
     }
 
+    /// The server's binlog files and sizes. A failed connection is dropped
+    /// (the next try connects again).
     fn binary_logs(&mut self, config: &Config) -> Result<Vec<(String, u64)>, String> {
-        if self.client.is_none() {
-            self.client = Some(config.connect().map_err(|e| format!("{e:?}"))?);
-        }
-        let Some(client) = self.client.as_mut() else { return Err("not connected".into()) };
+        let mut client = match self.client.take() {
+            Some(c) => c,
+            None => config.connect().map_err(|e| format!("{e:?}"))?,
+        };
         let rows = client.query("SHOW BINARY LOGS").map_err(|e| e.to_string())?;
+        self.client = Some(client);
         rows.into_iter()
             .map(|row| {
                 let mut it = row.into_iter().map(|v| v.map(text).unwrap_or_default());
