@@ -89,6 +89,8 @@ pub struct CatchupView {
     pub scans: usize,
     /// Subscribers being served by them.
     pub members: usize,
+    /// Scans waiting for their members to make room (they admit no one).
+    pub waiting: usize,
     /// Rows handed to catching-up subscribers so far, summed over
     /// subscribers (its rate is the catch-up throughput).
     pub changes_sent: u64,
@@ -171,6 +173,7 @@ impl Catchups {
         CatchupView {
             scans: live.len(),
             members: live.iter().map(|s| s.members()).sum(),
+            waiting: live.iter().filter(|s| s.is_waiting()).count(),
             changes_sent: count(&self.counters.sent),
             rows_read: count(&self.counters.read),
             scans_total: count(&self.counters.scans),
@@ -318,6 +321,37 @@ mod tests {
         assert!(read.load(Ordering::Relaxed) <= total, "the log ({total} rows) was read once: {read:?} rows");
         let view = catchups.view();
         assert_eq!((view.scans, view.members), (0, 0), "the scan ended with its members");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_newcomer_does_not_wait_in_a_scan_whose_members_have_no_room() {
+        let mut log = MemoryChangeLog::default();
+        log.reset("000").unwrap();
+        for i in 1..=300 {
+            commit(&mut log, &w(i), 30);
+        }
+        let (reader, snapshots, _) = counting(&log);
+        let options = CatchupOptions { readers: 1, window_bytes: 16 << 10, shared: true };
+        let catchups = Catchups::new(reader, options, Arc::default());
+        // A member that reads nothing: after its first batch its scan waits
+        // for it (up to STALL).
+        let (stuck, _stuck_conn) = subscriber("000");
+        catchups.start([(stuck.clone(), "000".to_string())]);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while catchups.view().waiting == 0 {
+            assert!(tokio::time::Instant::now() < deadline, "the scan never waited for its member");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // A subscriber near the end arrives: it gets a scan of its own
+        // instead of waiting with the stuck one, and is served in full.
+        let (late, mut late_conn) = subscriber("290");
+        catchups.start([(late.clone(), "000".to_string())]);
+        assert_eq!(catchups.view().scans, 2, "the newcomer started a scan of its own");
+        let got = read_to(&late, &mut late_conn, "300").await;
+        let expected: Vec<(String, usize)> = (291..=300).map(|i| (w(i), 30)).collect();
+        assert_eq!(got, expected);
+        assert_eq!(snapshots.load(Ordering::Relaxed), 2);
+        assert!(!stuck.is_closed());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -106,6 +106,10 @@ struct ScanState {
     members: Vec<Member>,
     /// Ended: it takes no one any more.
     done: bool,
+    /// Waiting for members to make room: a newcomer would wait with them
+    /// (up to [`STALL`]) for rows it may be far from needing, so it is not
+    /// admitted and starts or joins a scan that is moving.
+    waiting: bool,
 }
 
 /// How a batch ended.
@@ -140,7 +144,9 @@ impl ScanState {
 impl Scan {
     pub fn new(first: Member) -> Arc<Scan> {
         let from = first.at.0.clone();
-        Arc::new(Scan { state: Mutex::new(ScanState { from, cursor: None, members: vec![first], done: false }) })
+        Arc::new(Scan {
+            state: Mutex::new(ScanState { from, cursor: None, members: vec![first], done: false, waiting: false }),
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, ScanState> {
@@ -151,6 +157,10 @@ impl Scan {
         self.lock().done
     }
 
+    pub fn is_waiting(&self) -> bool {
+        self.lock().waiting
+    }
+
     pub fn members(&self) -> usize {
         self.lock().members.len()
     }
@@ -159,7 +169,7 @@ impl Scan {
     /// back otherwise.
     pub fn admit(&self, mut member: Member) -> Option<Member> {
         let mut st = self.lock();
-        if st.done {
+        if st.done || st.waiting {
             return Some(member);
         }
         match &st.cursor {
@@ -261,6 +271,10 @@ impl Scan {
     fn subscribers(&self) -> Vec<Arc<Subscriber>> {
         self.lock().members.iter().map(|m| m.sub.clone()).collect()
     }
+
+    fn set_waiting(&self, waiting: bool) {
+        self.lock().waiting = waiting;
+    }
 }
 
 impl Catchups {
@@ -321,14 +335,15 @@ impl Catchups {
         if waits.is_empty() {
             return;
         }
+        scan.set_waiting(true);
         let started = Instant::now();
-        if waits.len() == members.len() && tokio::time::timeout(STALL, waits.next()).await.is_err() {
-            self.detach_slow(scan);
-            return;
+        let stalled = waits.len() == members.len() && tokio::time::timeout(STALL, waits.next()).await.is_err();
+        if !stalled {
+            let grace = (started.elapsed() * 2).max(MIN_GRACE);
+            let _ = tokio::time::timeout(grace, async { while waits.next().await.is_some() {} }).await;
         }
-        let grace = (started.elapsed() * 2).max(MIN_GRACE);
-        let _ = tokio::time::timeout(grace, async { while waits.next().await.is_some() {} }).await;
         self.detach_slow(scan);
+        scan.set_waiting(false);
     }
 
     fn detach_slow(self: &Arc<Self>, scan: &Scan) {
