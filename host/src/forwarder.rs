@@ -36,7 +36,7 @@ impl Forwarder {
         self.queued.retain(|s| !Arc::ptr_eq(s, sub));
     }
 
-    pub fn forward(&mut self, entry: &Entry) {
+    pub fn forward(&mut self, entry: &Arc<Entry>) {
         for sub in &self.active {
             sub.send(entry);
         }
@@ -178,9 +178,9 @@ mod tests {
     use crate::change::Change;
     use crate::subscriber::{Connection, Frame, Limits, Mode};
 
-    fn entry(w: &str, tag: &str) -> Entry {
+    fn entry(w: &str, tag: &str) -> Arc<Entry> {
         let stored = format!("{{\"tag\":\"{tag}\"}}");
-        Entry { watermark: w.into(), change: Change::from_stored(tag, &stored, w) }
+        Arc::new(Entry { watermark: w.into(), change: Change::from_stored(tag, &stored, w) })
     }
 
     fn sub(w: &str) -> (Arc<Subscriber>, Connection) {

@@ -188,13 +188,13 @@ impl Hub {
         storer.store(watermark, &change);
         // Always forward, even to nobody: the forwarder tracks transaction
         // boundaries for subscribers that join later.
-        inner.forwarder.forward(&Entry { watermark: watermark.clone(), change });
+        inner.forwarder.forward(&Arc::new(Entry { watermark: watermark.clone(), change }));
     }
 
     /// Forwards without storing (the synthetic rollback of an interrupted
     /// transaction).
     pub fn forward_only(&self, watermark: &Arc<str>, change: Change) {
-        self.lock().forwarder.forward(&Entry { watermark: watermark.clone(), change });
+        self.lock().forwarder.forward(&Arc::new(Entry { watermark: watermark.clone(), change }));
     }
 
     /// Adds a subscriber: checks its replica version, then starts its

@@ -68,6 +68,17 @@ pub enum Frame {
     Close,
 }
 
+impl Frame {
+    /// The length of the JSON it carries.
+    pub fn json_len(&self) -> usize {
+        match self {
+            Frame::Message { json, .. } => json.len(),
+            Frame::Error(json) => json.len(),
+            Frame::Close => 0,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Limits {
     /// Backlog kept while catching up; beyond it the subscriber is closed
@@ -127,7 +138,9 @@ struct State {
     watermark: Arc<str>,
     /// Last commit consumed.
     acked: Arc<str>,
-    backlog: Option<VecDeque<Entry>>,
+    /// Live changes while catching up, shared with every other subscriber
+    /// (a pointer each: 2,000 catch-ups during a flood held millions).
+    backlog: Option<VecDeque<Arc<Entry>>>,
     backlog_bytes: usize,
     initialized: bool,
     missed_last_timeout: bool,
@@ -234,7 +247,7 @@ impl Subscriber {
     }
 
     /// A live change from the forwarder.
-    pub fn send(&self, entry: &Entry) {
+    pub fn send(&self, entry: &Arc<Entry>) {
         if self.is_closed() {
             return;
         }
@@ -323,6 +336,18 @@ impl Subscriber {
         let before = self.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| Some(h.saturating_sub(bytes)));
         let before = before.unwrap_or_else(|h| h);
         self.limits.budget.release(bytes.min(before));
+    }
+
+    /// The connection is writing `bytes` of frames to the socket: they are
+    /// held (as frames and in the WebSocket's buffer) until the write is
+    /// flushed, which takes as long as the peer takes to read them.
+    pub fn writing(&self, bytes: usize) {
+        self.charge(bytes);
+    }
+
+    /// The write of [`Subscriber::writing`] is done (or given up).
+    pub fn written(&self, bytes: usize) {
+        self.release(bytes);
     }
 
     /// The connection took `frame` off its queue: its JSON is no longer
@@ -578,19 +603,19 @@ impl Drop for Subscriber {
 mod tests {
     use super::*;
 
-    fn entry(w: &str, tag: &str, json: &str) -> Entry {
+    fn entry(w: &str, tag: &str, json: &str) -> Arc<Entry> {
         let stored = &json[json.find(',').unwrap() + 1..if tag == "begin" || tag == "commit" {
             json.rfind(',').unwrap()
         } else {
             json.len() - 1
         }];
-        Entry { watermark: w.into(), change: Change::from_stored(tag, stored, w) }
+        Arc::new(Entry { watermark: w.into(), change: Change::from_stored(tag, stored, w) })
     }
 
-    fn begin(w: &str) -> Entry {
+    fn begin(w: &str) -> Arc<Entry> {
         entry(w, "begin", &format!("[\"begin\",{{\"tag\":\"begin\"}},{{\"commitWatermark\":\"{w}\"}}]"))
     }
-    fn commit(w: &str) -> Entry {
+    fn commit(w: &str) -> Arc<Entry> {
         entry(w, "commit", &format!("[\"commit\",{{\"tag\":\"commit\"}},{{\"watermark\":\"{w}\"}}]"))
     }
 
