@@ -280,14 +280,16 @@ impl Subscriber {
     /// The memory budget is exceeded and this subscriber holds more than
     /// its share of it. One that keeps acknowledging in time (it holds flow
     /// control) only has a backlog of the moment, and is let be up to four
-    /// shares.
+    /// shares; so is one that was sent nothing yet (its catch-up has not
+    /// reached it, so it had nothing to acknowledge).
     fn over_share(&self, st: &State) -> bool {
         let budget = &self.limits.budget;
         if !budget.exceeded() {
             return false;
         }
         let held = self.held();
-        held > budget.share() && (held > 4 * budget.share() || !self.flow_control_locked(st))
+        let keeping_up = self.flow_control_locked(st) || self.enqueued() == 0;
+        held > budget.share() && (held > 4 * budget.share() || !keeping_up)
     }
 
     /// Closes it for holding more than its share of an exceeded budget.
@@ -680,6 +682,44 @@ mod tests {
         assert_eq!(drain(&mut c), ["error [\"error\",{\"type\":2,\"message\":\"too old\"}]"]);
         s.send(&begin("03"));
         assert!(drain(&mut c).is_empty(), "nothing after close");
+    }
+
+    #[test]
+    fn over_budget_one_sent_nothing_yet_is_let_be_up_to_four_shares() {
+        let budget = Arc::new(MemoryBudget::new(2000));
+        let limits = Limits { budget: budget.clone(), ..Limits::default() };
+        let new = |id: &str| Subscriber::new(id.into(), "t".into(), Mode::Serving, 6, "00".into(), limits.clone());
+        // Its catch-up has not reached it: nothing was sent to acknowledge.
+        let (waiting, _waiting_conn) = new("waiting");
+        // Was sent its catch-up's first rows and acknowledged nothing.
+        let (silent, _silent_conn) = new("silent");
+        silent.catchup(&begin("01"));
+        let share = budget.share();
+        let (mut i, mut most) = (10, 0);
+        let live = |i: u32| {
+            for e in [begin(&format!("{i:03}")), commit(&format!("{i:03}"))] {
+                waiting.send(&e);
+                silent.send(&e);
+            }
+        };
+        while !silent.is_closed() {
+            live(i);
+            i += 1;
+            assert!(i < 100, "the silent one was never closed");
+        }
+        while waiting.held() <= 2 * share {
+            assert!(!waiting.is_closed(), "closed at {} bytes, share {share}", waiting.held());
+            live(i);
+            i += 1;
+        }
+        assert!(budget.exceeded());
+        while !waiting.is_closed() {
+            most = waiting.held();
+            live(i);
+            i += 1;
+            assert!(i < 500, "the waiting one is bounded too");
+        }
+        assert!(most > 3 * share, "closed at {most} bytes, share {share}");
     }
 
     #[test]
