@@ -323,8 +323,10 @@ mod tests {
         assert_eq!((view.scans, view.members), (0, 0), "the scan ended with its members");
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_newcomer_does_not_wait_in_a_scan_whose_members_have_no_room() {
+    /// 300 transactions of 30 rows, each row ~40 B, caught up through one
+    /// reader with 16 KiB windows (a member needs many batches); and the
+    /// count of snapshots pinned.
+    fn small_windows_over_300_transactions() -> (Arc<Catchups>, Arc<AtomicUsize>) {
         let mut log = MemoryChangeLog::default();
         log.reset("000").unwrap();
         for i in 1..=300 {
@@ -332,7 +334,12 @@ mod tests {
         }
         let (reader, snapshots, _) = counting(&log);
         let options = CatchupOptions { readers: 1, window_bytes: 16 << 10, shared: true };
-        let catchups = Catchups::new(reader, options, Arc::default());
+        (Catchups::new(reader, options, Arc::default()), snapshots)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_newcomer_does_not_wait_in_a_scan_whose_members_have_no_room() {
+        let (catchups, snapshots) = small_windows_over_300_transactions();
         // A member that reads nothing: after its first batch its scan waits
         // for it (up to STALL).
         let (stuck, _stuck_conn) = subscriber("000");
@@ -356,16 +363,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_member_too_slow_for_its_scan_leaves_it_and_still_gets_everything_once() {
-        // 300 transactions of 30 rows, each row ~40 B: with a 16 KiB window
-        // a member needs many batches.
-        let mut log = MemoryChangeLog::default();
-        log.reset("000").unwrap();
-        for i in 1..=300 {
-            commit(&mut log, &w(i), 30);
-        }
-        let (reader, snapshots, _) = counting(&log);
-        let options = CatchupOptions { readers: 1, window_bytes: 16 << 10, shared: true };
-        let catchups = Catchups::new(reader, options, Arc::default());
+        let (catchups, snapshots) = small_windows_over_300_transactions();
         let (fast, mut fast_conn) = subscriber("000");
         let (slow, mut slow_conn) = subscriber("000");
         catchups.start([(fast.clone(), "000".to_string()), (slow.clone(), "000".to_string())]);
