@@ -15,13 +15,13 @@ use std::time::Duration;
 /// acknowledging (or reading) reaches it.
 pub const SEND_WINDOW_BYTES: usize = 1 << 20;
 
-use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::response::Response;
-use futures::{SinkExt, StreamExt};
 
 use super::access::Refusal;
-use super::outbox::Outbox;
+use super::outbox::{envelope, Outbox};
+use super::websocket::{self, Incoming, Socket};
 use super::AppState;
 use crate::filter::{FilterGroup, Outcome};
 use crate::subscriber::{Connection, ErrorType, Frame, Mode, Subscriber};
@@ -40,11 +40,9 @@ const WRITE_BATCH_FRAMES: usize = 256;
 /// The JSON bytes of one write, at most (one frame may be larger).
 const WRITE_BATCH_BYTES: usize = 64 << 10;
 
-/// A subscriber's socket: a small read buffer (acks are tiny; the default
-/// 128 KiB per connection adds up over many subscribers) and a cap on what
-/// it may send. The write buffer keeps tungstenite's default: once grown its
-/// capacity stays (about 90 KB on a connection sent a catch-up), but a
-/// 32 KiB one cost a quarter of the catch-up throughput.
+/// A socket of the snapshot endpoint: a small read buffer (the default
+/// 128 KiB per connection adds up over many peers) and a cap on what it may
+/// send.
 fn limited(ws: WebSocketUpgrade) -> WebSocketUpgrade {
     ws.read_buffer_size(8 << 10).max_message_size(MAX_SUBSCRIBER_MESSAGE).max_frame_size(MAX_SUBSCRIBER_MESSAGE)
 }
@@ -99,7 +97,7 @@ pub fn parse_context(segment: &str, query: &HashMap<String, String>) -> Result<S
 }
 
 pub async fn changes(
-    ws: WebSocketUpgrade,
+    ws: websocket::Upgrade,
     Path(segment): Path<String>,
     Query(query): Query<HashMap<String, String>>,
     ConnectInfo(super::Peer(peer)): ConnectInfo<super::Peer>,
@@ -107,10 +105,11 @@ pub async fn changes(
 ) -> Result<Response, Refusal> {
     let permit = app.access.admit(peer)?;
     let ctx = parse_context(&segment, &query);
-    Ok(limited(ws).on_upgrade(move |socket| async move {
+    Ok(ws.on_upgrade(move |socket| async move {
         let _permit = permit;
+        let socket = socket.max_message_size(MAX_SUBSCRIBER_MESSAGE);
         match ctx {
-            Err(message) => close_with_error(socket, &message).await,
+            Err(message) => refuse(socket, &message).await,
             Ok(ctx) => serve(socket, ctx, app).await,
         }
     }))
@@ -145,6 +144,14 @@ pub async fn close_with_error(mut socket: WebSocket, message: &str) {
     let _ = socket.send(error_close(message)).await;
 }
 
+/// Refuses a subscription: the close [`close_with_error`] sends, on a
+/// subscriber socket.
+async fn refuse<S: Io>(mut socket: Socket<S>, message: &str) {
+    tracing::info!("closing subscriber connection: {message}");
+    socket.queue_close(PROTOCOL_ERROR, &elide(&format!("Error: {message}"), 123));
+    let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+}
+
 /// The close frame [`close_with_error`] sends.
 pub fn error_close(message: &str) -> Message {
     let reason = elide(&format!("Error: {message}"), 123);
@@ -162,7 +169,11 @@ fn elide(s: &str, max: usize) -> String {
     format!("{}...", &s[..end])
 }
 
-async fn serve(socket: WebSocket, ctx: SubscriberContext, app: AppState) {
+/// The byte stream under a subscriber's WebSocket.
+pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
+async fn serve<S: Io>(socket: Socket<S>, ctx: SubscriberContext, app: AppState) {
     // A filter chain that cannot be built refuses the subscription before
     // any change is sent.
     let filter = match &ctx.filters {
@@ -171,7 +182,7 @@ async fn serve(socket: WebSocket, ctx: SubscriberContext, app: AppState) {
             Ok(group) => Some(group),
             Err(message) => {
                 tracing::warn!(subscriber = %ctx.id, "refusing subscriber: {message}");
-                return close_with_error(socket, &message).await;
+                return refuse(socket, &message).await;
             }
         },
     };
@@ -197,16 +208,37 @@ async fn serve(socket: WebSocket, ctx: SubscriberContext, app: AppState) {
     tracing::info!(subscriber = %ctx.id, acked = %sub.acked(), "subscriber disconnected: {reason}");
 }
 
-/// One message in flight: its id, size, and commit watermark if a commit.
-async fn pump(
-    socket: WebSocket,
+/// What the peer sent, taken out of the socket's read buffer.
+enum Read {
+    Ack(Result<u64, String>),
+    Binary,
+    Ping,
+    Pong,
+    Close,
+}
+
+impl Read {
+    fn of(incoming: Incoming<'_>) -> Read {
+        match incoming {
+            Incoming::Text(text) => Read::Ack(parse_ack(text)),
+            Incoming::Binary(_) => Read::Binary,
+            Incoming::Ping => Read::Ping,
+            Incoming::Pong => Read::Pong,
+            Incoming::Close => Read::Close,
+        }
+    }
+}
+
+/// Sends the subscriber's queue and reads its acks until either side ends;
+/// returns why.
+async fn pump<S: Io>(
+    mut socket: Socket<S>,
     sub: &Arc<Subscriber>,
     mut conn: Connection,
     ping_every: Duration,
     filter: Option<Arc<FilterGroup>>,
     shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> String {
-    let (mut tx, mut rx) = socket.split();
     let stopping = super::stopping(shutdown);
     tokio::pin!(stopping);
     let mut outbox = Outbox::default();
@@ -260,8 +292,6 @@ async fn pump(
                 };
                 let mut outcomes = outcomes.into_iter();
                 let mut closing = false;
-                let mut out = Vec::with_capacity(frames.len());
-                let mut writing = 0;
                 for frame in frames {
                     let (json, bytes, commit, last) = match frame {
                         Some(Frame::Message { json, commit }) => {
@@ -289,80 +319,86 @@ async fn pump(
                             break;
                         }
                     };
-                    let text = outbox.frame(&json, bytes, commit, last);
-                    writing += text.len();
-                    out.push(Message::Text(Utf8Bytes::from(text)));
+                    // The shared JSON goes straight into the socket's buffer
+                    // inside Zero's envelope: no text of its own per subscriber.
+                    let id = outbox.push(bytes, commit, last);
+                    socket.queue_text(&envelope(itoa::Buffer::new().format(id), &json));
                 }
-                // One guarded write for the whole batch (the guard costs a
-                // watch subscription; per frame it showed in profiles).
-                let write = async {
-                    for message in out {
-                        tx.feed(message).await?;
-                    }
-                    tx.flush().await
-                };
+                // What is being written counts against the memory budget
+                // until it is out.
+                let writing = socket.queued();
                 sub.writing(writing);
-                let written = until_closed(sub, write).await;
+                let written = until_closed(sub, socket.flush()).await;
                 sub.written(writing);
                 if let Err(e) = written {
                     return e;
                 }
                 if closing {
-                    let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(normal_close())).await;
+                    socket.queue_close(1000, "");
+                    let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
                     return "closed by the server".into();
                 }
+                if conn.frames.is_empty() {
+                    socket.shrink();
+                }
             }
-            msg = rx.next() => {
+            read = socket.next(Read::of) => {
                 alive = true;
-                match msg {
-                    Some(Ok(Message::Text(text))) => {
-                        let ack = match parse_ack(&text) {
-                            Ok(a) => a,
-                            Err(e) => {
-                                close_with_error_split(&mut tx, &e).await;
-                                return e;
-                            }
-                        };
+                match read {
+                    Ok(Read::Ack(Ok(ack))) => {
                         let front = match outbox.ack(ack) {
                             Ok(front) => front,
-                            Err(e) => {
-                                close_with_error_split(&mut tx, &e).await;
-                                return e;
-                            }
+                            Err(e) => return close_with_error_on(socket, e).await,
                         };
                         if front.last {
                             // The error message (never counted as pending).
-                            let _ = tx.send(normal_close()).await;
+                            socket.queue_close(1000, "");
+                            let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
                             return "closed after sending an error".into();
                         }
                         sub.consumed(front.bytes, front.commit.as_ref());
                     }
-                    Some(Ok(Message::Binary(_))) => {
-                        let e = "Expected string message".to_string();
-                        close_with_error_split(&mut tx, &e).await;
-                        return e;
-                    }
-                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
-                    Some(Ok(Message::Close(_))) | None => return "closed by the peer".into(),
-                    Some(Err(e)) => {
-                        let e = format!("connection error: {e}");
-                        // tungstenite's words for a message over the size
-                        // cap: tell the subscriber why (a reset needs no
-                        // close frame, and gets none).
-                        if e.contains("Space limit exceeded") {
-                            close_with_error_split(&mut tx, &e).await;
+                    Ok(Read::Ack(Err(e))) => return close_with_error_on(socket, e).await,
+                    Ok(Read::Binary) => return close_with_error_on(socket, "Expected string message".into()).await,
+                    Ok(Read::Ping) => {
+                        // Its pong is queued.
+                        if let Err(e) = until_closed(sub, socket.flush()).await {
+                            return e;
                         }
-                        return e;
                     }
+                    Ok(Read::Pong) => {}
+                    Ok(Read::Close) => {
+                        // The answer to its close, if it sent one, is queued.
+                        let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+                        return "closed by the peer".into();
+                    }
+                    Err(e @ websocket::ReadError::TooLong(..)) => {
+                        // Tell the subscriber why (a reset needs no close
+                        // frame, and gets none).
+                        return close_with_error_on(socket, format!("connection error: {e}")).await;
+                    }
+                    Err(websocket::ReadError::Protocol(why)) => {
+                        socket.queue_close(PROTOCOL_ERROR, why);
+                        let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+                        return format!("connection error: {why}");
+                    }
+                    Err(e) => return format!("connection error: {e}"),
                 }
             }
             _ = ping.tick() => {
-                if let Err(e) = ping_peer(&mut alive, &mut tx).await {
-                    return e;
+                // Nothing (not even a pong) since the last ping: the peer is gone.
+                if !alive {
+                    return "no pong or message since the last ping".into();
+                }
+                alive = false;
+                socket.queue_ping();
+                if until_closed(sub, socket.flush()).await.is_err() {
+                    return "ping failed".into();
                 }
             }
             _ = &mut stopping => {
-                let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(super::going_away())).await;
+                socket.queue_close(1001, super::SHUTTING_DOWN);
+                let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
                 return "Sluice is shutting down".into();
             }
         }
@@ -384,10 +420,13 @@ async fn filter_frames(group: &Arc<FilterGroup>, frames: &[Option<Frame>]) -> Re
     group.apply(&data).await
 }
 
-async fn close_with_error_split(tx: &mut futures::stream::SplitSink<WebSocket, Message>, message: &str) {
+/// Ends a subscriber's connection for `message` (a close with 1011);
+/// returns the message.
+async fn close_with_error_on<S: Io>(mut socket: Socket<S>, message: String) -> String {
     tracing::warn!("closing subscriber connection: {message}");
-    let reason = elide(&format!("Error: {message}"), 123);
-    let _ = tx.send(Message::Close(Some(CloseFrame { code: 1011, reason: reason.into() }))).await;
+    socket.queue_close(1011, &elide(&format!("Error: {message}"), 123));
+    let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+    message
 }
 
 /// Runs a socket write, giving up once the subscriber has been closed for a
@@ -405,23 +444,6 @@ async fn until_closed<E: std::fmt::Display>(
             tokio::time::sleep(Duration::from_secs(1)).await;
         } => Err("closed while the peer was not reading".into()),
     }
-}
-
-/// A ping, unless nothing (not even a pong) came since the last one: then
-/// the peer is gone.
-pub async fn ping_peer(
-    alive: &mut bool,
-    tx: &mut futures::stream::SplitSink<WebSocket, Message>,
-) -> Result<(), String> {
-    if !*alive {
-        return Err("no pong or message since the last ping".into());
-    }
-    *alive = false;
-    tx.send(Message::Ping(Default::default())).await.map_err(|_| "ping failed".to_string())
-}
-
-fn normal_close() -> Message {
-    Message::Close(Some(CloseFrame { code: 1000, reason: Utf8Bytes::from_static("") }))
 }
 
 fn parse_ack(text: &str) -> Result<u64, String> {

@@ -8,6 +8,7 @@ pub mod outbox;
 pub mod plugins;
 pub mod tls;
 pub mod upstream;
+pub mod websocket;
 pub mod zero_tables;
 
 use std::net::SocketAddr;
@@ -46,12 +47,13 @@ pub struct AppState {
     pub plugins: Option<Arc<crate::plugin::Registry>>,
 }
 
-/// The close frame every stream connection gets when Sluice shuts down.
+/// The reason of the close (1001, going away) every stream connection gets
+/// when Sluice shuts down.
+pub const SHUTTING_DOWN: &str = "Sluice is shutting down";
+
+/// That close frame, on a tungstenite socket.
 pub fn going_away() -> axum::extract::ws::Message {
-    axum::extract::ws::Message::Close(Some(axum::extract::ws::CloseFrame {
-        code: 1001,
-        reason: "Sluice is shutting down".into(),
-    }))
+    axum::extract::ws::Message::Close(Some(axum::extract::ws::CloseFrame { code: 1001, reason: SHUTTING_DOWN.into() }))
 }
 
 /// Resolves once the service is stopping (or its stop signal is gone).

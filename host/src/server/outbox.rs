@@ -27,21 +27,20 @@ pub struct Outbox {
     bytes: usize,
 }
 
+/// The text of message `id` (its digits) wrapping `msg` (JSON), in the
+/// parts a WebSocket frame is written from.
+pub fn envelope<'a>(id: &'a str, msg: &'a str) -> [&'a [u8]; 5] {
+    [b"{\"id\":", id.as_bytes(), b",\"msg\":", msg.as_bytes(), b"}"]
+}
+
 impl Outbox {
-    /// Wraps `msg` (JSON) in the envelope with the next id and keeps it in
-    /// flight; returns the text to send.
-    pub fn frame(&mut self, msg: &str, bytes: usize, commit: Option<Arc<str>>, last: bool) -> String {
+    /// Keeps a message in flight; returns its id, for [`envelope`].
+    pub fn push(&mut self, bytes: usize, commit: Option<Arc<str>>, last: bool) -> u64 {
         self.next_id += 1;
         let id = self.next_id;
-        let mut text = String::with_capacity(msg.len() + 24);
-        text.push_str("{\"id\":");
-        text.push_str(itoa::Buffer::new().format(id));
-        text.push_str(",\"msg\":");
-        text.push_str(msg);
-        text.push('}');
         self.bytes += bytes;
         self.in_flight.push_back(InFlight { id, bytes, commit, last });
-        text
+        id
     }
 
     /// The peer acked message `id`: the oldest one in flight, or an error
@@ -77,20 +76,19 @@ mod tests {
     #[test]
     fn ids_count_from_one_in_zeros_envelope() {
         let mut out = Outbox::default();
-        assert_eq!(
-            out.frame(r#"["status",{"tag":"status"}]"#, 0, None, false),
-            r#"{"id":1,"msg":["status",{"tag":"status"}]}"#
-        );
-        assert_eq!(out.frame("[1]", 3, None, false), r#"{"id":2,"msg":[1]}"#);
+        let text = |id: u64, msg: &str| envelope(itoa::Buffer::new().format(id), msg).concat();
+        let first = out.push(0, None, false);
+        assert_eq!(text(first, r#"["status",{"tag":"status"}]"#), br#"{"id":1,"msg":["status",{"tag":"status"}]}"#);
+        assert_eq!(text(out.push(3, None, false), "[1]"), br#"{"id":2,"msg":[1]}"#);
         assert_eq!(out.in_flight(), 2);
     }
 
     #[test]
     fn acks_in_order_release_each_message_once() {
         let mut out = Outbox::default();
-        out.frame("[1]", 3, None, false);
-        out.frame("[2]", 3, Some("05".into()), false);
-        out.frame("[3]", 0, None, true);
+        out.push(3, None, false);
+        out.push(3, Some("05".into()), false);
+        out.push(0, None, true);
         assert_eq!(out.bytes_in_flight(), 6);
         assert_eq!(out.ack(1), Ok(InFlight { id: 1, bytes: 3, commit: None, last: false }));
         assert_eq!(out.bytes_in_flight(), 3);
@@ -103,8 +101,8 @@ mod tests {
     #[test]
     fn an_ack_out_of_order_is_named_as_zero_names_it() {
         let mut out = Outbox::default();
-        out.frame("[1]", 3, None, false);
-        out.frame("[2]", 3, None, false);
+        out.push(3, None, false);
+        out.push(3, None, false);
         assert_eq!(out.ack(2), Err("Unexpected ack for 1: 2".to_string()));
         assert_eq!(out.ack(1).map(|f| f.id), Ok(1), "a refused ack changes nothing");
         assert_eq!(out.ack(1), Err("Unexpected ack for 2: 1".to_string()), "no ack twice");

@@ -274,7 +274,7 @@ async fn pump(
                 }
             }
             _ = ping.tick() => {
-                if let Err(e) = super::changes::ping_peer(&mut alive, &mut tx).await {
+                if let Err(e) = ping_peer(&mut alive, &mut tx).await {
                     return e;
                 }
             }
@@ -284,6 +284,16 @@ async fn pump(
             }
         }
     }
+}
+
+/// A ping, unless nothing (not even a pong) came since the last one: then
+/// the peer is gone.
+async fn ping_peer(alive: &mut bool, tx: &mut SplitSink<WebSocket, Message>) -> Result<(), String> {
+    if !*alive {
+        return Err("no pong or message since the last ping".into());
+    }
+    *alive = false;
+    tx.send(Message::Ping(Default::default())).await.map_err(|_| "ping failed".to_string())
 }
 
 #[cfg(test)]
