@@ -191,7 +191,7 @@ mod tests {
 
     fn seen(c: &mut Connection) -> Vec<String> {
         let mut out = Vec::new();
-        while let Ok(Frame::Message { json, .. }) = c.frames.try_recv() {
+        while let Some(Frame::Message { json, .. }) = c.frames.try_recv() {
             let v: serde_json::Value = serde_json::from_str(&json).unwrap();
             out.push(match v[0].as_str().unwrap() {
                 "begin" => format!("begin {}", v[2]["commitWatermark"].as_str().unwrap()),
@@ -293,7 +293,7 @@ mod tests {
         step(2000);
         assert!(laggard.is_closed());
         assert!(!healthy.is_closed());
-        let last = std::iter::from_fn(|| c2.frames.try_recv().ok()).last();
+        let last = std::iter::from_fn(|| c2.frames.try_recv()).last();
         assert!(
             matches!(last, Some(Frame::Error(e)) if e.contains("\"type\":3") && e.contains("lagging for over 1000ms"))
         );

@@ -229,6 +229,77 @@ impl Read {
     }
 }
 
+/// What the acks read in one go released.
+#[derive(Default)]
+struct Acked {
+    messages: u64,
+    /// Their JSON bytes.
+    bytes: usize,
+    /// The last commit among them.
+    commit: Option<Arc<str>>,
+    /// A ping came: its pong is queued.
+    pong: bool,
+}
+
+/// How reading ended the connection, if it did.
+enum Ending {
+    Not,
+    /// The error message sent was acknowledged: close.
+    AfterError,
+    /// The peer closed.
+    Peer,
+    /// The peer broke the protocol: close with the error message.
+    Refused(String),
+    /// The peer's frames broke WebSocket's rules.
+    Protocol(&'static str),
+    /// The connection failed.
+    Lost(String),
+}
+
+/// Takes `first` and every read that has already arrived after it, releasing
+/// acknowledged messages from `outbox`, until one ends the connection.
+fn take_reads<S: Io>(
+    first: Result<Read, websocket::ReadError>,
+    socket: &mut Socket<S>,
+    outbox: &mut Outbox,
+) -> (Acked, Ending) {
+    let mut acked = Acked::default();
+    let mut read = first;
+    loop {
+        match read {
+            Ok(Read::Ack(Ok(id))) => match outbox.ack(id) {
+                // The error message (never counted as pending).
+                Ok(front) if front.last => return (acked, Ending::AfterError),
+                Ok(front) => {
+                    acked.messages += 1;
+                    acked.bytes += front.bytes;
+                    if front.commit.is_some() {
+                        acked.commit = front.commit;
+                    }
+                }
+                Err(e) => return (acked, Ending::Refused(e)),
+            },
+            Ok(Read::Ack(Err(e))) => return (acked, Ending::Refused(e)),
+            Ok(Read::Binary) => return (acked, Ending::Refused("Expected string message".into())),
+            Ok(Read::Ping) => acked.pong = true,
+            Ok(Read::Pong) => {}
+            Ok(Read::Close) => return (acked, Ending::Peer),
+            // Tell the subscriber why (a reset needs no close frame, and
+            // gets none).
+            Err(e @ websocket::ReadError::TooLong(..)) => {
+                return (acked, Ending::Refused(format!("connection error: {e}")));
+            }
+            Err(websocket::ReadError::Protocol(why)) => return (acked, Ending::Protocol(why)),
+            Err(e) => return (acked, Ending::Lost(format!("connection error: {e}"))),
+        }
+        read = match socket.next_buffered(Read::of) {
+            Ok(Some(r)) => Ok(r),
+            Ok(None) => return (acked, Ending::Not),
+            Err(e) => Err(e),
+        };
+    }
+}
+
 /// Sends the subscriber's queue and reads its acks until either side ends;
 /// returns why.
 async fn pump<S: Io>(
@@ -250,24 +321,70 @@ async fn pump<S: Io>(
         // writes until it acknowledges (or is closed): what waits stays
         // queued, where the memory budget sees it.
         let window_full = outbox.bytes_in_flight() >= SEND_WINDOW_BYTES && !sub.is_closed();
+        // In this order: stopping, pings and acks are cheap and come first
+        // (acks make room for what waits), then what there is to write.
         tokio::select! {
+            biased;
+            _ = &mut stopping => {
+                socket.queue_close(1001, super::SHUTTING_DOWN);
+                let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+                return "Sluice is shutting down".into();
+            }
+            _ = ping.tick() => {
+                // Nothing (not even a pong) since the last ping: the peer is gone.
+                if !alive {
+                    return "no pong or message since the last ping".into();
+                }
+                alive = false;
+                socket.queue_ping();
+                if until_closed(sub, socket.flush()).await.is_err() {
+                    return "ping failed".into();
+                }
+            }
+            read = socket.next(Read::of) => {
+                alive = true;
+                // This read and every other that has already arrived.
+                let (acked, ending) = take_reads(read, &mut socket, &mut outbox);
+                if acked.messages > 0 {
+                    sub.consumed_many(acked.messages, acked.bytes, acked.commit.as_ref());
+                }
+                match ending {
+                    Ending::Not if acked.pong => {
+                        // A pong is queued.
+                        if let Err(e) = until_closed(sub, socket.flush()).await {
+                            return e;
+                        }
+                    }
+                    Ending::Not => {}
+                    Ending::AfterError => {
+                        // The error message was acknowledged.
+                        socket.queue_close(1000, "");
+                        let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+                        return "closed after sending an error".into();
+                    }
+                    Ending::Peer => {
+                        // The answer to its close, if it sent one, is queued.
+                        let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+                        return "closed by the peer".into();
+                    }
+                    Ending::Refused(e) => return close_with_error_on(socket, e).await,
+                    Ending::Protocol(why) => {
+                        socket.queue_close(PROTOCOL_ERROR, why);
+                        let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+                        return format!("connection error: {why}");
+                    }
+                    Ending::Lost(e) => return e,
+                }
+            }
             _ = sub.closed(), if window_full => {}
             frame = conn.frames.recv(), if !window_full => {
                 // Take what else is already queued and write it with one flush.
-                let mut batch_bytes = frame.as_ref().map_or(0, Frame::json_len);
-                let mut frames = vec![frame];
-                while frames.len() < WRITE_BATCH_FRAMES && batch_bytes < WRITE_BATCH_BYTES {
-                    match conn.frames.try_recv() {
-                        Ok(f) => {
-                            batch_bytes += f.json_len();
-                            frames.push(Some(f));
-                        }
-                        Err(_) => break,
-                    }
-                }
-                for frame in frames.iter().flatten() {
-                    sub.taken(frame);
-                }
+                let first_bytes = frame.as_ref().map_or(0, Frame::json_len);
+                let mut frames = Vec::with_capacity(conn.frames.len().min(WRITE_BATCH_FRAMES - 1) + 1);
+                frames.push(frame);
+                let batch_bytes = first_bytes + conn.frames.take_into(&mut frames, WRITE_BATCH_FRAMES, WRITE_BATCH_BYTES.saturating_sub(first_bytes));
+                let taken = frames.iter().flatten().filter(|f| matches!(f, Frame::Message { .. })).map(Frame::json_len);
+                sub.taken(taken.sum());
                 if sub.is_closed() {
                     // Closed (for its limits or the memory budget): what is
                     // still queued would only delay the error message behind
@@ -292,6 +409,9 @@ async fn pump<S: Io>(
                 };
                 let mut outcomes = outcomes.into_iter();
                 let mut closing = false;
+                // The batch grows the write buffer once, not frame by frame
+                // (an envelope and frame header take under 48 bytes).
+                socket.reserve(batch_bytes + 48 * frames.len());
                 for frame in frames {
                     let (json, bytes, commit, last) = match frame {
                         Some(Frame::Message { json, commit }) => {
@@ -341,65 +461,6 @@ async fn pump<S: Io>(
                 if conn.frames.is_empty() {
                     socket.shrink();
                 }
-            }
-            read = socket.next(Read::of) => {
-                alive = true;
-                match read {
-                    Ok(Read::Ack(Ok(ack))) => {
-                        let front = match outbox.ack(ack) {
-                            Ok(front) => front,
-                            Err(e) => return close_with_error_on(socket, e).await,
-                        };
-                        if front.last {
-                            // The error message (never counted as pending).
-                            socket.queue_close(1000, "");
-                            let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
-                            return "closed after sending an error".into();
-                        }
-                        sub.consumed(front.bytes, front.commit.as_ref());
-                    }
-                    Ok(Read::Ack(Err(e))) => return close_with_error_on(socket, e).await,
-                    Ok(Read::Binary) => return close_with_error_on(socket, "Expected string message".into()).await,
-                    Ok(Read::Ping) => {
-                        // Its pong is queued.
-                        if let Err(e) = until_closed(sub, socket.flush()).await {
-                            return e;
-                        }
-                    }
-                    Ok(Read::Pong) => {}
-                    Ok(Read::Close) => {
-                        // The answer to its close, if it sent one, is queued.
-                        let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
-                        return "closed by the peer".into();
-                    }
-                    Err(e @ websocket::ReadError::TooLong(..)) => {
-                        // Tell the subscriber why (a reset needs no close
-                        // frame, and gets none).
-                        return close_with_error_on(socket, format!("connection error: {e}")).await;
-                    }
-                    Err(websocket::ReadError::Protocol(why)) => {
-                        socket.queue_close(PROTOCOL_ERROR, why);
-                        let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
-                        return format!("connection error: {why}");
-                    }
-                    Err(e) => return format!("connection error: {e}"),
-                }
-            }
-            _ = ping.tick() => {
-                // Nothing (not even a pong) since the last ping: the peer is gone.
-                if !alive {
-                    return "no pong or message since the last ping".into();
-                }
-                alive = false;
-                socket.queue_ping();
-                if until_closed(sub, socket.flush()).await.is_err() {
-                    return "ping failed".into();
-                }
-            }
-            _ = &mut stopping => {
-                socket.queue_close(1001, super::SHUTTING_DOWN);
-                let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
-                return "Sluice is shutting down".into();
             }
         }
     }

@@ -202,6 +202,11 @@ impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> Socket<S> {
         }
     }
 
+    /// Makes room for `bytes` more to be queued.
+    pub fn reserve(&mut self, bytes: usize) {
+        self.write.reserve(bytes);
+    }
+
     /// Bytes queued and not yet flushed.
     pub fn queued(&self) -> usize {
         self.write.len()
@@ -235,15 +240,32 @@ impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> Socket<S> {
     /// whole frame has arrived.
     pub async fn next<R>(&mut self, take: impl FnOnce(Incoming<'_>) -> R) -> Result<R, ReadError> {
         loop {
+            if let Some(frame) = self.complete_frame()? {
+                return self.deliver(frame, take);
+            }
+            self.read.reserve(READ_CHUNK);
+            if self.io.read_buf(&mut self.read).await? == 0 {
+                return Ok(take(Incoming::Close));
+            }
+        }
+    }
+
+    /// The next message if it has already arrived (no waiting): acks that
+    /// came together are taken in one go.
+    pub fn next_buffered<R>(&mut self, take: impl FnOnce(Incoming<'_>) -> R) -> Result<Option<R>, ReadError> {
+        match self.complete_frame()? {
+            Some(frame) => self.deliver(frame, take).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The last frame of a message (or a control frame) once it has all
+    /// arrived; the frames before it are kept aside.
+    fn complete_frame(&mut self) -> Result<Option<FrameAt>, ReadError> {
+        loop {
             match self.parse()? {
                 Some(frame) if !frame.fin => self.stash(frame),
-                Some(frame) => return self.deliver(frame, take),
-                None => {
-                    self.read.reserve(READ_CHUNK);
-                    if self.io.read_buf(&mut self.read).await? == 0 {
-                        return Ok(take(Incoming::Close));
-                    }
-                }
+                complete => return Ok(complete),
             }
         }
     }

@@ -16,15 +16,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
-
 use crate::change::{Change, Kind};
 
 pub mod budget;
+mod queue;
 mod signal;
 pub mod trim;
 
 pub use budget::MemoryBudget;
+pub use queue::FrameReceiver;
+use queue::FrameSender;
 use signal::Signal;
 
 /// The queue entry and bookkeeping of one message, held until it is
@@ -112,7 +113,7 @@ pub struct Subscriber {
     pub start: String,
     limits: Limits,
     state: Mutex<State>,
-    out: mpsc::UnboundedSender<Frame>,
+    out: FrameSender,
     /// Bytes queued for or sent to the peer and not yet consumed.
     pending_bytes: AtomicUsize,
     /// Messages consumed so far (for flow control waits).
@@ -172,7 +173,7 @@ pub struct SubscriberView {
 
 /// Handed to the connection task: where to read frames from.
 pub struct Connection {
-    pub frames: mpsc::UnboundedReceiver<Frame>,
+    pub frames: FrameReceiver,
 }
 
 impl Subscriber {
@@ -184,7 +185,7 @@ impl Subscriber {
         watermark: String,
         limits: Limits,
     ) -> (Arc<Subscriber>, Connection) {
-        let (out, frames) = mpsc::unbounded_channel();
+        let (out, frames) = queue::queue();
         let w: Arc<str> = watermark.as_str().into();
         limits.budget.joined();
         let sub = Subscriber {
@@ -352,12 +353,11 @@ impl Subscriber {
         self.release(bytes);
     }
 
-    /// The connection took `frame` off its queue: its JSON is no longer
-    /// held for this subscriber (its bookkeeping is, until acknowledged).
-    pub fn taken(&self, frame: &Frame) {
-        if let Frame::Message { json, .. } = frame {
-            self.release(json.len());
-        }
+    /// The connection took messages of `json_bytes` off its queue (one
+    /// call per batch): their JSON is no longer held for this subscriber
+    /// (their bookkeeping is, until acknowledged).
+    pub fn taken(&self, json_bytes: usize) {
+        self.release(json_bytes);
     }
 
     /// A change read from the change log during catch-up.
@@ -372,12 +372,9 @@ impl Subscriber {
             return;
         }
         self.initialize(&mut st);
-        for entry in entries {
-            self.send_change(&mut st, entry);
-            if self.is_closed() {
-                return;
-            }
-        }
+        // Queued (and counted) as one batch.
+        let frames: Vec<Frame> = entries.iter().filter_map(|entry| self.frame_for(&mut st, entry)).collect();
+        self.push_many(&mut st, frames);
     }
 
     /// Catch-up is done: send the backlog, then go live.
@@ -404,11 +401,19 @@ impl Subscriber {
     }
 
     fn send_change(&self, st: &mut State, entry: &Entry) {
+        if let Some(Frame::Message { json, commit }) = self.frame_for(st, entry) {
+            self.push(st, json, commit);
+        }
+    }
+
+    /// The message `entry` is for this subscriber, unless it was sent
+    /// already (or its protocol has no such message).
+    fn frame_for(&self, st: &mut State, entry: &Entry) -> Option<Frame> {
         if *entry.watermark <= *st.watermark {
-            return;
+            return None;
         }
         if entry.change.tag == "update-table-metadata" && self.protocol < 5 {
-            return;
+            return None;
         }
         let commit = if entry.change.kind == Kind::Commit {
             st.watermark = entry.watermark.clone();
@@ -416,15 +421,34 @@ impl Subscriber {
         } else {
             None
         };
-        self.push(st, entry.change.json.clone(), commit);
+        Some(Frame::Message { json: entry.change.json.clone(), commit })
     }
 
     fn push(&self, st: &mut State, json: Arc<str>, commit: Option<Arc<str>>) {
         let cost = queued_cost(json.len());
+        self.queue(st, 1, cost, |out| out.send(Frame::Message { json, commit }));
+    }
+
+    fn push_many(&self, st: &mut State, frames: Vec<Frame>) {
+        if frames.is_empty() {
+            return;
+        }
+        let cost = frames.iter().map(|f| queued_cost(f.json_len())).sum();
+        self.queue(st, frames.len() as u64, cost, |out| out.send_many(frames));
+    }
+
+    /// Counts `messages` costing `cost` as queued, and queues them.
+    fn queue(
+        &self,
+        st: &mut State,
+        messages: u64,
+        cost: usize,
+        send: impl FnOnce(&FrameSender) -> Result<(), queue::Gone>,
+    ) {
         let pending = self.pending_bytes.fetch_add(cost, Ordering::AcqRel) + cost;
         self.charge(cost);
-        self.enqueued.fetch_add(1, Ordering::AcqRel);
-        if self.out.send(Frame::Message { json, commit }).is_err() {
+        self.enqueued.fetch_add(messages, Ordering::AcqRel);
+        if send(&self.out).is_err() {
             self.closed.store(true, Ordering::Release);
             return;
         }
@@ -441,17 +465,24 @@ impl Subscriber {
     /// Called by the connection when the peer consumed a message.
     /// `bytes` is the length of the message's JSON.
     pub fn consumed(&self, bytes: usize, commit: Option<&Arc<str>>) {
-        let cost = queued_cost(bytes);
+        self.consumed_many(1, bytes, commit);
+    }
+
+    /// Called by the connection when the peer consumed `messages` messages
+    /// whose JSON is `bytes` long in all; `commit` is the last commit among
+    /// them. One call for all the acks that arrived together.
+    pub fn consumed_many(&self, messages: u64, bytes: usize, commit: Option<&Arc<str>>) {
+        let cost = bytes + messages as usize * MESSAGE_OVERHEAD;
         self.acked_bytes.fetch_add(bytes, Ordering::AcqRel);
         let _ = self.pending_bytes.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| Some(p.saturating_sub(cost)));
-        self.release(MESSAGE_OVERHEAD);
+        self.release(messages as usize * MESSAGE_OVERHEAD);
         if let Some(w) = commit {
             let mut st = self.lock();
             if **w > *st.acked {
                 st.acked = w.clone();
             }
         }
-        self.consumed.fetch_add(1, Ordering::AcqRel);
+        self.consumed.fetch_add(messages, Ordering::AcqRel);
         self.signal.wake();
     }
 
@@ -623,7 +654,7 @@ mod tests {
 
     fn drain(conn: &mut Connection) -> Vec<String> {
         let mut out = Vec::new();
-        while let Ok(f) = conn.frames.try_recv() {
+        while let Some(f) = conn.frames.try_recv() {
             out.push(match f {
                 Frame::Message { json, .. } => json.to_string(),
                 Frame::Error(e) => format!("error {e}"),
