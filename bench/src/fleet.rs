@@ -111,6 +111,8 @@ async fn acking(
     // Latency counts commits the source wrote once this subscriber was live
     // (its first message, the status, arrived); earlier ones came from the log.
     let mut live_from: Option<u64> = None;
+    // Every transaction arrives once and in order: commit watermarks rise.
+    let mut last_commit = String::new();
     loop {
         let Some(first) = ws.next().await else { anyhow::bail!("{id}: closed by the server") };
         let mut frame = Some(first);
@@ -129,7 +131,10 @@ async fn acking(
                     if let Some(sent) = msg[1]["sentAtUs"].as_u64().filter(|s| Some(*s) >= live_from) {
                         latencies.push(now_us()?.saturating_sub(sent));
                     }
-                    if msg[2]["watermark"].as_str() == Some(last.as_str()) {
+                    let watermark = msg[2]["watermark"].as_str().unwrap_or_default();
+                    anyhow::ensure!(*watermark > *last_commit, "{id}: commit {watermark} after {last_commit}");
+                    last_commit = watermark.to_string();
+                    if watermark == last {
                         ws.flush().await?;
                         return Ok(latencies);
                     }
@@ -157,9 +162,11 @@ pub async fn run(tmp: &Path) -> anyhow::Result<()> {
         flood(tmp, sizes("SLUICE_BENCH_FLOOD", &[2000])[0]).await?;
     }
     if part("catchup") {
-        // SLUICE_BENCH_CATCHUP=subscribers,changes
+        // SLUICE_BENCH_CATCHUP=subscribers,changes; SLUICE_BENCH_CATCHUP_MODES=shared,independent
         let catchup_size = sizes("SLUICE_BENCH_CATCHUP", &[1000, 20_000]);
-        for shared in [true, false] {
+        let modes = std::env::var("SLUICE_BENCH_CATCHUP_MODES").unwrap_or_else(|_| "shared,independent".into());
+        let mode = |name: &str| modes.split(',').any(|m| m.trim() == name);
+        for shared in [true, false].into_iter().filter(|&shared| mode(if shared { "shared" } else { "independent" })) {
             catchups(tmp, catchup_size[0], catchup_size[1], shared).await?;
         }
     }
@@ -241,21 +248,33 @@ async fn catchups(tmp: &Path, n: usize, changes: usize, shared: bool) -> anyhow:
     let (child, addr) = start(tmp, name, config, extra).await?;
     let last = sluice::watermark::to_lexi(txs as u128);
     wait_status(&addr, "the log to be stored", |s| s["lastWatermark"].as_str() == Some(last.as_str())).await?;
-    let counted = Arc::new(AtomicU64::new(0));
+    let counts: Vec<_> = (0..n).map(|_| Arc::new(AtomicU64::new(0))).collect();
     let t0 = Instant::now();
     let cpu0 = cpu_seconds(child.id()).unwrap_or(0.0);
-    let subs: Vec<_> = (0..n)
-        .map(|i| tokio::spawn(acking(addr.clone(), format!("catchup-{i}"), "00".into(), last.clone(), counted.clone())))
+    let subs: Vec<_> = counts
+        .iter()
+        .enumerate()
+        .map(|(i, counted)| {
+            tokio::spawn(acking(addr.clone(), format!("catchup-{i}"), "00".into(), last.clone(), counted.clone()))
+        })
         .collect();
     for s in subs {
         s.await??;
     }
+    // Each got every change once.
+    let short: Vec<_> = counts
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (i, c.load(Ordering::Relaxed)))
+        .filter(|(_, c)| *c != changes as u64)
+        .collect();
+    anyhow::ensure!(short.is_empty(), "subscribers that did not get {changes} changes (id, count): {short:?}");
     let secs = t0.elapsed().as_secs_f64();
     let cpu = cpu_seconds(child.id()).unwrap_or(0.0) - cpu0;
     let status = http_status(&addr).await?;
     let peak = peak_rss_mib(child.id()).unwrap_or(0.0);
     drop(child);
-    let delivered = counted.load(Ordering::Relaxed);
+    let delivered: u64 = counts.iter().map(|c| c.load(Ordering::Relaxed)).sum();
     let read = status["catchup"]["rowsRead"].as_u64().unwrap_or(0);
     println!(
         "{n} subscribers catching up {changes} changes at once, {}: {:.0} changes/s delivered in total ({delivered} in {secs:.1} s), \

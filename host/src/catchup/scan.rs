@@ -134,6 +134,10 @@ impl ScanState {
             if let Some(lowest) = lowest {
                 if after.as_ref().is_none_or(|a| cmp((&a.0, a.1), lowest) == Cmp::Less) {
                     after = Some(lowest.clone());
+                    // Skipped over: a subscriber that needs those rows must
+                    // not join while the read is in flight (it would get
+                    // only what comes after them).
+                    self.cursor = after.clone();
                 }
             }
         }
@@ -355,5 +359,29 @@ impl Catchups {
                 catchups.rejoin(member);
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::subscriber::{Limits, Mode};
+
+    fn member(start: &str, at: (&str, i64)) -> Member {
+        let (sub, _) = Subscriber::new(start.into(), String::new(), Mode::Serving, 6, start.into(), Limits::default());
+        Member { sub, at: (at.0.into(), at.1), found: true, epoch: 1 }
+    }
+
+    #[test]
+    fn a_subscriber_needing_rows_a_read_skips_over_does_not_join_during_it() {
+        // The scan has read up to row 7 of 02; its only member holds
+        // everything up to row 4 of 09, so the next read starts there.
+        let scan = Scan::new(member("09", ("09", 4)));
+        scan.lock().cursor = Some(("02".into(), 7));
+        let (_, after) = scan.lock().next_read();
+        assert_eq!(after, Some(("09".into(), 4)));
+        // One at 05 needs rows of 03 to 09 that this read passes by.
+        assert!(scan.admit(member("05", ("05", i64::MAX))).is_some(), "it must catch up elsewhere");
+        assert!(scan.admit(member("09", ("09", 6))).is_none(), "one past the skipped rows can join");
     }
 }
