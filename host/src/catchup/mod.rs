@@ -21,7 +21,6 @@ mod scan;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 
@@ -80,16 +79,7 @@ struct Inner {
     /// Bumped by every [`Catchups::start`]; see the module notes.
     epoch: u64,
     scans: Vec<Arc<Scan>>,
-    /// When the last scan started.
-    last_started: Option<Instant>,
 }
-
-/// A scan started within this time of the one before is part of a burst of
-/// catch-ups (a fleet reconnecting): it waits [`GATHER`] before its first
-/// read, so those arriving just after it join it instead of each starting
-/// one of their own once it has moved on. A lone catch-up starts at once.
-const BURST: Duration = Duration::from_secs(1);
-const GATHER: Duration = Duration::from_millis(200);
 
 /// Catch-up work in progress, for `/status`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -167,16 +157,8 @@ impl Catchups {
         }
         let scan = Scan::new(member);
         inner.scans.push(scan.clone());
-        let now = Instant::now();
-        let gather = self.options.shared && inner.last_started.is_some_and(|t| now.duration_since(t) < BURST);
-        inner.last_started = Some(now);
         let catchups = self.clone();
-        tokio::spawn(async move {
-            if gather {
-                tokio::time::sleep(GATHER).await;
-            }
-            catchups.run(scan).await
-        });
+        tokio::spawn(async move { catchups.run(scan).await });
     }
 
     fn epoch(&self) -> u64 {
