@@ -7,8 +7,8 @@
 //! overlap between catch-up and live traffic are dropped: each transaction
 //! arrives exactly once.
 //!
-//! Messages go to the connection task through an unbounded queue whose bytes
-//! are counted; the connection reports consumption (the peer's acks), which
+//! Messages go to the connection task through a queue ([`queue`], filled and
+//! emptied in batches) whose bytes are counted; the connection reports consumption (the peer's acks), which
 //! is what flow control, acks and purging are based on.
 
 use std::collections::VecDeque;

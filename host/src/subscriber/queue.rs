@@ -14,6 +14,9 @@ use tokio::sync::Notify;
 
 use super::Frame;
 
+/// Queue slots kept once it is emptied.
+const KEEP_SLOTS: usize = 64;
+
 #[derive(Default)]
 struct Shared {
     frames: Mutex<VecDeque<Frame>>,
@@ -106,6 +109,11 @@ impl FrameReceiver {
             bytes += frame.json_len();
             into.push(Some(frame));
         }
+        // A catch-up's thousand rows grew it; a subscriber that follows
+        // live needs a few slots, so the rest goes back.
+        if queue.is_empty() && queue.capacity() > KEEP_SLOTS {
+            queue.shrink_to(KEEP_SLOTS);
+        }
         bytes
     }
 
@@ -170,6 +178,10 @@ mod tests {
         // 3 bytes each: the batch ends once it holds 5 bytes or more.
         assert_eq!(rx.take_into(&mut batch, 100, 5), 6);
         assert_eq!(rx.len(), 4);
+        // Emptied, a queue a catch-up grew gives its slots back.
+        tx.send_many((0..1000).map(|_| message("[0]"))).unwrap();
+        while rx.take_into(&mut Vec::new(), 256, 1 << 20) > 0 {}
+        assert!(rx.0.lock().capacity() <= KEEP_SLOTS);
     }
 
     #[tokio::test]
