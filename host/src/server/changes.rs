@@ -148,8 +148,7 @@ pub async fn close_with_error(mut socket: WebSocket, message: &str) {
 /// subscriber socket.
 async fn refuse<S: Io>(mut socket: Socket<S>, message: &str) {
     tracing::info!("closing subscriber connection: {message}");
-    socket.queue_close(PROTOCOL_ERROR, &elide(&format!("Error: {message}"), 123));
-    let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+    socket.close(PROTOCOL_ERROR, &elide(&format!("Error: {message}"), 123)).await;
 }
 
 /// The close frame [`close_with_error`] sends.
@@ -326,8 +325,7 @@ async fn pump<S: Io>(
         tokio::select! {
             biased;
             _ = &mut stopping => {
-                socket.queue_close(1001, super::SHUTTING_DOWN);
-                let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+                socket.close(1001, super::SHUTTING_DOWN).await;
                 return "Sluice is shutting down".into();
             }
             _ = ping.tick() => {
@@ -358,19 +356,17 @@ async fn pump<S: Io>(
                     Ending::Not => {}
                     Ending::AfterError => {
                         // The error message was acknowledged.
-                        socket.queue_close(1000, "");
-                        let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+                        socket.close(1000, "").await;
                         return "closed after sending an error".into();
                     }
                     Ending::Peer => {
                         // The answer to its close, if it sent one, is queued.
-                        let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+                        socket.flush_before_end().await;
                         return "closed by the peer".into();
                     }
                     Ending::Refused(e) => return close_with_error_on(socket, e).await,
                     Ending::Protocol(why) => {
-                        socket.queue_close(PROTOCOL_ERROR, why);
-                        let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+                        socket.close(PROTOCOL_ERROR, why).await;
                         return format!("connection error: {why}");
                     }
                     Ending::Lost(e) => return e,
@@ -454,8 +450,7 @@ async fn pump<S: Io>(
                     return e;
                 }
                 if closing {
-                    socket.queue_close(1000, "");
-                    let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+                    socket.close(1000, "").await;
                     return "closed by the server".into();
                 }
                 if conn.frames.is_empty() {
@@ -485,8 +480,7 @@ async fn filter_frames(group: &Arc<FilterGroup>, frames: &[Option<Frame>]) -> Re
 /// returns the message.
 async fn close_with_error_on<S: Io>(mut socket: Socket<S>, message: String) -> String {
     tracing::warn!("closing subscriber connection: {message}");
-    socket.queue_close(1011, &elide(&format!("Error: {message}"), 123));
-    let _ = tokio::time::timeout(Duration::from_secs(1), socket.flush()).await;
+    socket.close(1011, &elide(&format!("Error: {message}"), 123)).await;
     message
 }
 

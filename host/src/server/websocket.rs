@@ -188,6 +188,18 @@ impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> Socket<S> {
         self.write.extend_from_slice(&reason.as_bytes()[..end]);
     }
 
+    /// Sends a close frame after what is queued.
+    pub async fn close(&mut self, code: u16, reason: &str) {
+        self.queue_close(code, reason);
+        self.flush_before_end().await;
+    }
+
+    /// Writes what is queued (the answer to a peer's close, say) as the
+    /// connection ends: gives up after a second, since it ends either way.
+    pub async fn flush_before_end(&mut self) {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), self.flush()).await;
+    }
+
     fn queue_header(&mut self, opcode: u8, len: usize) {
         // Server frames are never masked.
         self.write.push(0x80 | opcode);

@@ -8,8 +8,9 @@
 //! arrives exactly once.
 //!
 //! Messages go to the connection task through a queue ([`queue`], filled and
-//! emptied in batches) whose bytes are counted; the connection reports consumption (the peer's acks), which
-//! is what flow control, acks and purging are based on.
+//! emptied in batches) whose bytes are counted; the connection reports
+//! consumption (the peer's acks), which is what flow control, acks and
+//! purging are based on.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -396,13 +397,14 @@ impl Subscriber {
     fn initialize(&self, st: &mut State) {
         if !st.initialized {
             st.initialized = true;
-            self.push(st, Arc::from("[\"status\",{\"tag\":\"status\"}]"), None);
+            let status = Arc::from("[\"status\",{\"tag\":\"status\"}]");
+            self.push(st, Frame::Message { json: status, commit: None });
         }
     }
 
     fn send_change(&self, st: &mut State, entry: &Entry) {
-        if let Some(Frame::Message { json, commit }) = self.frame_for(st, entry) {
-            self.push(st, json, commit);
+        if let Some(frame) = self.frame_for(st, entry) {
+            self.push(st, frame);
         }
     }
 
@@ -424,9 +426,9 @@ impl Subscriber {
         Some(Frame::Message { json: entry.change.json.clone(), commit })
     }
 
-    fn push(&self, st: &mut State, json: Arc<str>, commit: Option<Arc<str>>) {
-        let cost = queued_cost(json.len());
-        self.queue(st, 1, cost, |out| out.send(Frame::Message { json, commit }));
+    fn push(&self, st: &mut State, frame: Frame) {
+        let cost = queued_cost(frame.json_len());
+        self.queue(st, 1, cost, |out| out.send(frame));
     }
 
     fn push_many(&self, st: &mut State, frames: Vec<Frame>) {
