@@ -251,6 +251,7 @@ async fn catchups(tmp: &Path, n: usize, changes: usize, shared: bool) -> anyhow:
     let counts: Vec<_> = (0..n).map(|_| Arc::new(AtomicU64::new(0))).collect();
     let t0 = Instant::now();
     let cpu0 = cpu_seconds(child.id()).unwrap_or(0.0);
+    let clients_cpu0 = cpu_seconds(std::process::id()).unwrap_or(0.0);
     let subs: Vec<_> = counts
         .iter()
         .enumerate()
@@ -271,6 +272,7 @@ async fn catchups(tmp: &Path, n: usize, changes: usize, shared: bool) -> anyhow:
     anyhow::ensure!(short.is_empty(), "subscribers that did not get {changes} changes (id, count): {short:?}");
     let secs = t0.elapsed().as_secs_f64();
     let cpu = cpu_seconds(child.id()).unwrap_or(0.0) - cpu0;
+    let clients_cpu = cpu_seconds(std::process::id()).unwrap_or(0.0) - clients_cpu0;
     let status = http_status(&addr).await?;
     let peak = peak_rss_mib(child.id()).unwrap_or(0.0);
     drop(child);
@@ -278,10 +280,11 @@ async fn catchups(tmp: &Path, n: usize, changes: usize, shared: bool) -> anyhow:
     let read = status["catchup"]["rowsRead"].as_u64().unwrap_or(0);
     println!(
         "{n} subscribers catching up {changes} changes at once, {}: {:.0} changes/s delivered in total ({delivered} in {secs:.1} s), \
-         sluice CPU {:.2} s per million delivered, log read {:.1} times ({} scans), sluice peak RSS {peak:.0} MiB",
+         sluice CPU {:.2} s per million delivered (the bench's clients {:.2}), log read {:.1} times ({} scans), sluice peak RSS {peak:.0} MiB",
         if shared { "shared scans" } else { "one scan each" },
         delivered as f64 / secs,
         cpu / (delivered.max(1) as f64 / 1e6),
+        clients_cpu / (delivered.max(1) as f64 / 1e6),
         read as f64 / (changes as f64 * 1.2),
         status["catchup"]["scansTotal"],
     );

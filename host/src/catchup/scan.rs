@@ -72,9 +72,9 @@ impl Member {
                 break;
             }
         }
-        if let Some(last) = rows.last() {
+        if let (Some(last), Some(entry)) = (rows.last(), entries.last()) {
             if cmp((&last.watermark, last.pos), &self.at) == Cmp::Greater {
-                self.at = (last.watermark.as_str().into(), last.pos);
+                self.at = (entry.watermark.clone(), last.pos);
             }
         }
         let Some(i) = first else { return 0 };
@@ -96,6 +96,20 @@ impl Member {
 
 pub(super) struct Scan {
     state: Mutex<ScanState>,
+}
+
+/// Encodes rows once for every member; rows of a transaction share one
+/// watermark.
+fn encode(rows: &[StoredRow]) -> Vec<Entry> {
+    let mut watermark: Arc<str> = Arc::from("");
+    rows.iter()
+        .map(|row| {
+            if *watermark != *row.watermark {
+                watermark = row.watermark.as_str().into();
+            }
+            Entry { watermark: watermark.clone(), change: Change::from_stored(&row.tag, &row.change, &row.watermark) }
+        })
+        .collect()
 }
 
 struct ScanState {
@@ -215,13 +229,7 @@ impl Scan {
         let rows = snapshot.read(&from, after.as_ref().map(|(w, p)| (&**w, *p)), CATCHUP_READ_ROWS)?;
         counters.read.fetch_add(rows.len() as u64, Ordering::Relaxed);
         // Encoded once for every member.
-        let entries: Vec<Entry> = rows
-            .iter()
-            .map(|row| Entry {
-                watermark: row.watermark.as_str().into(),
-                change: Change::from_stored(&row.tag, &row.change, &row.watermark),
-            })
-            .collect();
+        let entries = encode(&rows);
         // The hand-out runs without the lock (it can take a while with many
         // members; the storer must not wait for it to admit a subscriber).
         // The cursor moves first: whoever joins meanwhile needs only later rows.

@@ -367,14 +367,14 @@ impl Subscriber {
     }
 
     /// Changes read from the change log during catch-up, in order.
-    pub fn catchup_many(&self, entries: &[Entry]) {
+    pub fn catchup_many<'a>(&self, entries: impl IntoIterator<Item = &'a Entry>) {
         let mut st = self.lock();
         if self.is_closed() {
             return;
         }
         self.initialize(&mut st);
         // Queued (and counted) as one batch.
-        let frames: Vec<Frame> = entries.iter().filter_map(|entry| self.frame_for(&mut st, entry)).collect();
+        let frames: Vec<Frame> = entries.into_iter().filter_map(|entry| self.frame_for(&mut st, entry)).collect();
         self.push_many(&mut st, frames);
     }
 
