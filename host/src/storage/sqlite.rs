@@ -525,11 +525,12 @@ impl LogSnapshot for SqliteSnapshot {
             None => (from, -1),
         };
         let mut stmt = self.conn.prepare_cached(READ_ROWS)?;
-        let rows = stmt
-            .query_map(params![low, self.last_watermark, ap, limit as i64], |r| {
-                Ok(StoredRow { watermark: r.get(0)?, pos: r.get(1)?, tag: r.get(2)?, change: r.get(3)? })
-            })?
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut rows = Vec::with_capacity(limit.min(4096));
+        for row in stmt.query_map(params![low, self.last_watermark, ap, limit as i64], |r| {
+            Ok(StoredRow { watermark: r.get(0)?, pos: r.get(1)?, tag: r.get(2)?, change: r.get(3)? })
+        })? {
+            rows.push(row?);
+        }
         Ok(rows)
     }
 

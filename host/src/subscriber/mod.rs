@@ -367,14 +367,15 @@ impl Subscriber {
     }
 
     /// Changes read from the change log during catch-up, in order.
-    pub fn catchup_many<'a>(&self, entries: impl IntoIterator<Item = &'a Entry>) {
+    pub fn catchup_many(&self, entries: &[Entry]) {
         let mut st = self.lock();
         if self.is_closed() {
             return;
         }
         self.initialize(&mut st);
         // Queued (and counted) as one batch.
-        let frames: Vec<Frame> = entries.into_iter().filter_map(|entry| self.frame_for(&mut st, entry)).collect();
+        let mut frames = Vec::with_capacity(entries.len());
+        frames.extend(entries.iter().filter_map(|entry| self.frame_for(&mut st, entry)));
         self.push_many(&mut st, frames);
     }
 
