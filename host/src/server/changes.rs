@@ -453,7 +453,8 @@ async fn pump<S: Io>(
                     socket.close(1000, "").await;
                     return "closed by the server".into();
                 }
-                if conn.frames.is_empty() {
+                // Nothing more came while writing: what a batch grew goes back.
+                if conn.frames.shrink_if_empty() {
                     socket.shrink();
                 }
             }

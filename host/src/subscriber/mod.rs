@@ -373,7 +373,8 @@ impl Subscriber {
             return;
         }
         self.initialize(&mut st);
-        // Queued (and counted) as one batch.
+        // Queued (and counted) as one batch; sized for all rows, since
+        // `filter_map` gives `collect` no size to start from.
         let mut frames = Vec::with_capacity(entries.len());
         frames.extend(entries.iter().filter_map(|entry| self.frame_for(&mut st, entry)));
         self.push_many(&mut st, frames);

@@ -109,12 +109,18 @@ impl FrameReceiver {
             bytes += frame.json_len();
             into.push(Some(frame));
         }
-        // A catch-up's thousand rows grew it; a subscriber that follows
-        // live needs a few slots, so the rest goes back.
+        bytes
+    }
+
+    /// Gives back the slots a catch-up's thousand rows grew, if nothing is
+    /// queued (a subscriber that follows live needs a few); returns whether
+    /// the queue is empty.
+    pub fn shrink_if_empty(&mut self) -> bool {
+        let mut queue = self.0.lock();
         if queue.is_empty() && queue.capacity() > KEEP_SLOTS {
             queue.shrink_to(KEEP_SLOTS);
         }
-        bytes
+        queue.is_empty()
     }
 
     pub fn len(&self) -> usize {
@@ -181,6 +187,7 @@ mod tests {
         // Emptied, a queue a catch-up grew gives its slots back.
         tx.send_many((0..1000).map(|_| message("[0]"))).unwrap();
         while rx.take_into(&mut Vec::new(), 256, 1 << 20) > 0 {}
+        assert!(rx.shrink_if_empty());
         assert!(rx.0.lock().capacity() <= KEEP_SLOTS);
     }
 
