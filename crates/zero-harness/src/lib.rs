@@ -108,16 +108,39 @@ pub fn bootstrap_replica(sluice: &str, file: &Path) -> Value {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("zero-replica printed {:?}: {e}", out.stdout))
 }
 
-/// A loopback port whose successor is free too (zero-cache binds
-/// `ZERO_PORT` and `ZERO_PORT + 1`, its own change-streamer).
+/// A port for zero-cache (`ZERO_PORT`) with the two after it free as well
+/// (its change streamer listens on +1, litestream on +2), picked at random
+/// below the kernel's ephemeral range. Every other server in the tests binds
+/// port 0 and gets an ephemeral one, so none of them can take these between
+/// this check and zero-cache's listen (seen once as `EADDRINUSE` on +1 when
+/// the pair came from the ephemeral range).
 fn free_port_pair() -> u16 {
-    loop {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = l.local_addr().unwrap().port();
-        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+    use std::hash::{BuildHasher, Hasher};
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (10_000u16, ephemeral_low.saturating_sub(3).max(10_001));
+    let seed = std::collections::hash_map::RandomState::new();
+    for attempt in 0u64.. {
+        let mut h = seed.build_hasher();
+        h.write_u64(attempt);
+        let port = low + (h.finish() % u64::from(high - low)) as u16;
+        let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && free(port + 1) && free(port + 2) {
             return port;
         }
     }
+    unreachable!("the loop above returns")
+}
+
+/// A task ID for one zero-cache process. zero-cache makes one with nanoid
+/// when none is given, and passes it to its workers as an argument: one
+/// starting with `-` (1 in 64) is read as a flag and the worker exits with
+/// "Expected string at taskID. Got true". This one starts with the name.
+fn task_id(name: &str) -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("{name}-{nanos}")
 }
 
 /// Kills a process group started with `process_group(0)`: SIGTERM, and
@@ -184,6 +207,7 @@ impl Launch {
             .env("ZERO_CHANGE_DB", change_db)
             .env("ZERO_REPLICA_FILE", &self.replica)
             .env("ZERO_PORT", self.port.to_string())
+            .env("ZERO_TASK_ID", task_id(&self.name))
             .env("ZERO_NUM_SYNC_WORKERS", "1")
             .env("ZERO_ADMIN_PASSWORD", "sluice-test")
             .env("ZERO_LOG_LEVEL", "info")
