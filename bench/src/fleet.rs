@@ -3,16 +3,17 @@
 //! well-behaved subscriber, many catch-ups of the same log at once (shared
 //! scans against one scan each), and idle connections.
 
+use std::io::Write;
 use std::path::Path;
 use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::{FutureExt, SinkExt, StreamExt};
-use tokio_tungstenite::tungstenite::Message as Ws;
+use futures::StreamExt;
 
-use crate::{cpu_seconds, free_addr, http_status, mock_sluice, peak_rss_mib, percentile, split_frame};
+use crate::lean_ws::{self, LeanSocket};
+use crate::{cpu_seconds, free_addr, http_status, mock_sluice, peak_rss_mib, percentile};
 
 /// A `sluice run` the bench started; stopped when dropped, also when a part
 /// fails half-way.
@@ -97,6 +98,7 @@ async fn never_acks(addr: String, id: usize, stop: Arc<AtomicBool>) {
 
 /// A subscriber from `from` that acknowledges every message; returns the
 /// latencies (µs) of commits the source wrote after it was connected, until `last`.
+/// It uses the lean client so that a thousand of them leave the cores to `sluice`.
 async fn acking(
     addr: String,
     id: String,
@@ -105,7 +107,8 @@ async fn acking(
     counted: Arc<AtomicU64>,
 ) -> anyhow::Result<Vec<u64>> {
     let now_us = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64);
-    let (mut ws, _) = tokio_tungstenite::connect_async(url(&addr, &id, &from)).await?;
+    let path = format!("/replication/v6/changes?id={id}&replicaVersion=00&watermark={from}");
+    let mut ws = LeanSocket::connect(&addr, &path).await?;
     let mut latencies = Vec::new();
     let mut in_tx = 0u64;
     // Latency counts commits the source wrote once this subscriber was live
@@ -113,39 +116,54 @@ async fn acking(
     let mut live_from: Option<u64> = None;
     // Every transaction arrives once and in order: commit watermarks rise.
     let mut last_commit = String::new();
+    let mut ack = Vec::with_capacity(32);
     loop {
-        let Some(first) = ws.next().await else { anyhow::bail!("{id}: closed by the server") };
-        let mut frame = Some(first);
-        while let Some(f) = frame {
-            if let Ws::Text(text) = f? {
-                let (n, msg) = split_frame(&text)?;
-                if live_from.is_none() {
-                    live_from = Some(now_us()?);
-                }
-                ws.feed(Ws::Text(format!("{{\"ack\":{n}}}").into())).await?;
-                if msg.starts_with("[\"data\"") {
-                    in_tx += 1;
-                } else if msg.starts_with("[\"commit\"") {
-                    counted.fetch_add(std::mem::take(&mut in_tx), Ordering::Relaxed);
-                    let msg: serde_json::Value = serde_json::from_str(msg)?;
-                    if let Some(sent) = msg[1]["sentAtUs"].as_u64().filter(|s| Some(*s) >= live_from) {
-                        latencies.push(now_us()?.saturating_sub(sent));
-                    }
-                    let watermark = msg[2]["watermark"].as_str().unwrap_or_default();
-                    anyhow::ensure!(*watermark > *last_commit, "{id}: commit {watermark} after {last_commit}");
-                    last_commit = watermark.to_string();
-                    if watermark == last {
-                        ws.flush().await?;
-                        return Ok(latencies);
-                    }
-                } else if msg.starts_with("[\"error\"") {
-                    anyhow::bail!("{id}: {msg}");
-                }
+        // Everything read in one go is acked with one write.
+        while let Some(frame) = ws.buffered_frame()? {
+            match frame.opcode {
+                lean_ws::TEXT => {}
+                lean_ws::CLOSE => anyhow::bail!("{id}: closed by the server"),
+                _ => continue,
             }
-            frame = ws.next().now_or_never().flatten();
+            let (n, msg) = split_message(ws.payload(&frame))?;
+            if live_from.is_none() {
+                live_from = Some(now_us()?);
+            }
+            let mut done = false;
+            if msg.starts_with(b"[\"data\"") {
+                in_tx += 1;
+            } else if msg.starts_with(b"[\"commit\"") {
+                counted.fetch_add(std::mem::take(&mut in_tx), Ordering::Relaxed);
+                let msg: serde_json::Value = serde_json::from_slice(msg)?;
+                if let Some(sent) = msg[1]["sentAtUs"].as_u64().filter(|s| Some(*s) >= live_from) {
+                    latencies.push(now_us()?.saturating_sub(sent));
+                }
+                let watermark = msg[2]["watermark"].as_str().unwrap_or_default();
+                anyhow::ensure!(*watermark > *last_commit, "{id}: commit {watermark} after {last_commit}");
+                last_commit = watermark.to_string();
+                done = watermark == last;
+            } else if msg.starts_with(b"[\"error\"") {
+                anyhow::bail!("{id}: {}", String::from_utf8_lossy(msg));
+            }
+            ack.clear();
+            write!(ack, "{{\"ack\":{n}}}")?;
+            ws.queue_text(&ack);
+            if done {
+                ws.flush().await?;
+                return Ok(latencies);
+            }
         }
         ws.flush().await?;
+        anyhow::ensure!(ws.read_more().await?, "{id}: closed by the server");
     }
+}
+
+/// `{"id":N,"msg":M}`: N and M.
+fn split_message(text: &[u8]) -> anyhow::Result<(u64, &[u8])> {
+    let bad = || anyhow::anyhow!("bad frame {}", String::from_utf8_lossy(text));
+    let comma = text.iter().position(|b| *b == b',').ok_or_else(bad)?;
+    let id = std::str::from_utf8(text.get(6..comma).ok_or_else(bad)?)?.parse()?;
+    Ok((id, text.get(comma + 7..text.len() - 1).ok_or_else(bad)?))
 }
 
 pub async fn run(tmp: &Path) -> anyhow::Result<()> {
@@ -328,4 +346,15 @@ async fn idle(tmp: &Path, n: usize) -> anyhow::Result<()> {
         (after - before) * 1024.0 / n as f64
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_message_splits_into_its_id_and_body() {
+        let (id, msg) = super::split_message(br#"{"id":42,"msg":["data",{"tag":"insert"}]}"#).unwrap();
+        assert_eq!((id, msg), (42, &br#"["data",{"tag":"insert"}]"#[..]));
+        assert!(super::split_message(br#"{"id":x,"msg":[]}"#).is_err());
+        assert!(super::split_message(b"{}").is_err());
+    }
 }

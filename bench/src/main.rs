@@ -18,6 +18,7 @@ use sluice::storage::{ChangeLog, LogReader};
 mod custom_source;
 mod filters;
 mod fleet;
+mod lean_ws;
 mod mariadb_source;
 mod pg_source;
 mod zero_cache;
