@@ -77,15 +77,18 @@ async fn wait_status(
     }
 }
 
-fn url(addr: &str, id: &str, watermark: &str) -> String {
-    format!("ws://{addr}/replication/v6/changes?id={id}&replicaVersion=00&watermark={watermark}")
+/// The subscription path for subscriber `id` from `watermark`.
+fn changes_path(id: &str, watermark: &str) -> String {
+    format!("/replication/v6/changes?id={id}&replicaVersion=00&watermark={watermark}")
 }
 
 /// A peer that reads and never acknowledges; when closed it comes back
 /// from watermark 00, as a fleet of such peers would.
 async fn never_acks(addr: String, id: usize, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Relaxed) {
-        if let Ok((mut ws, _)) = tokio_tungstenite::connect_async(url(&addr, &format!("flood-{id}"), "00")).await {
+        if let Ok((mut ws, _)) =
+            tokio_tungstenite::connect_async(format!("ws://{addr}{}", changes_path(&format!("flood-{id}"), "00"))).await
+        {
             while let Some(Ok(_)) = ws.next().await {
                 if stop.load(Ordering::Relaxed) {
                     return;
@@ -107,8 +110,7 @@ async fn acking(
     counted: Arc<AtomicU64>,
 ) -> anyhow::Result<Vec<u64>> {
     let now_us = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64);
-    let path = format!("/replication/v6/changes?id={id}&replicaVersion=00&watermark={from}");
-    let mut ws = LeanSocket::connect(&addr, &path).await?;
+    let mut ws = LeanSocket::connect(&addr, &changes_path(&id, &from)).await?;
     let mut latencies = Vec::new();
     let mut in_tx = 0u64;
     // Latency counts commits the source wrote once this subscriber was live

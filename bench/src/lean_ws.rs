@@ -57,7 +57,7 @@ impl LeanSocket {
              Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
         );
         stream.write_all(request.as_bytes()).await?;
-        let mut inbuf = Vec::with_capacity(READ_CHUNK);
+        let mut inbuf = Vec::with_capacity(1024);
         let end = loop {
             if let Some(end) = inbuf.windows(4).position(|w| w == b"\r\n\r\n") {
                 break end + 4;
