@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 
 use crate::lean_ws::{self, LeanSocket};
-use crate::{cpu_seconds, free_addr, http_status, mock_sluice, peak_rss_mib, percentile};
+use crate::{cpu_seconds, frame_parts, free_addr, http_status, mock_sluice, peak_rss_mib, percentile};
 
 /// A `sluice run` the bench started; stopped when dropped, also when a part
 /// fails half-way.
@@ -127,7 +127,9 @@ async fn acking(
                 lean_ws::CLOSE => anyhow::bail!("{id}: closed by the server"),
                 _ => continue,
             }
-            let (n, msg) = split_message(ws.payload(&frame))?;
+            let payload = ws.payload(&frame);
+            let (n, at) = frame_parts(payload)?;
+            let msg = &payload[at];
             if live_from.is_none() {
                 live_from = Some(now_us()?);
             }
@@ -158,14 +160,6 @@ async fn acking(
         ws.flush().await?;
         anyhow::ensure!(ws.read_more().await?, "{id}: closed by the server");
     }
-}
-
-/// `{"id":N,"msg":M}`: N and M.
-fn split_message(text: &[u8]) -> anyhow::Result<(u64, &[u8])> {
-    let bad = || anyhow::anyhow!("bad frame {}", String::from_utf8_lossy(text));
-    let comma = text.iter().position(|b| *b == b',').ok_or_else(bad)?;
-    let id = std::str::from_utf8(text.get(6..comma).ok_or_else(bad)?)?.parse()?;
-    Ok((id, text.get(comma + 7..text.len() - 1).ok_or_else(bad)?))
 }
 
 pub async fn run(tmp: &Path) -> anyhow::Result<()> {
@@ -348,15 +342,4 @@ async fn idle(tmp: &Path, n: usize) -> anyhow::Result<()> {
         (after - before) * 1024.0 / n as f64
     );
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn a_message_splits_into_its_id_and_body() {
-        let (id, msg) = super::split_message(br#"{"id":42,"msg":["data",{"tag":"insert"}]}"#).unwrap();
-        assert_eq!((id, msg), (42, &br#"["data",{"tag":"insert"}]"#[..]));
-        assert!(super::split_message(br#"{"id":x,"msg":[]}"#).is_err());
-        assert!(super::split_message(b"{}").is_err());
-    }
 }

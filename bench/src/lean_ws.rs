@@ -27,7 +27,7 @@ pub struct Frame {
 
 pub const TEXT: u8 = 0x1;
 pub const CLOSE: u8 = 0x8;
-pub const PING: u8 = 0x9;
+const PING: u8 = 0x9;
 const PONG: u8 = 0xA;
 
 pub struct LeanSocket {

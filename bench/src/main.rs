@@ -272,9 +272,18 @@ fn percentile(sorted: &[u64], p: f64) -> f64 {
 /// A frame `{"id":N,"msg":M}` as (N, M) without parsing M, so the client
 /// costs little next to the server on these two cores.
 fn split_frame(text: &str) -> anyhow::Result<(u64, &str)> {
-    let comma = text.find(',').ok_or_else(|| anyhow::anyhow!("bad frame {text}"))?;
-    let id: u64 = text.get(6..comma).unwrap_or_default().parse()?;
-    Ok((id, text.get(comma + 7..text.len() - 1).unwrap_or_default()))
+    let (id, msg) = frame_parts(text.as_bytes())?;
+    Ok((id, text.get(msg).unwrap_or_default()))
+}
+
+/// [`split_frame`] on bytes not checked for UTF-8: N, and where M lies.
+fn frame_parts(text: &[u8]) -> anyhow::Result<(u64, std::ops::Range<usize>)> {
+    let bad = || anyhow::anyhow!("bad frame {}", String::from_utf8_lossy(text));
+    let comma = text.iter().position(|b| *b == b',').ok_or_else(bad)?;
+    let id = std::str::from_utf8(text.get(6..comma).ok_or_else(bad)?)?.parse()?;
+    // Within the text even when it is cut short (M is then empty).
+    let start = (comma + 7).min(text.len());
+    Ok((id, start..(text.len() - 1).max(start)))
 }
 
 /// One subscriber in the bench process: counts changes, measures commit
@@ -820,4 +829,18 @@ fn pg_ceiling(tmp: &Path, url: &str) -> anyhow::Result<()> {
         println!("ceiling: psql {how} {rows} rows of the same shape in {secs:.2} s: {:.0} rows/s", rows as f64 / secs);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_frame_splits_into_its_id_and_message() {
+        let frame = r#"{"id":42,"msg":["data",{"tag":"insert"}]}"#;
+        assert_eq!(super::split_frame(frame).unwrap(), (42, r#"["data",{"tag":"insert"}]"#));
+        let (id, msg) = super::frame_parts(frame.as_bytes()).unwrap();
+        assert_eq!((id, &frame.as_bytes()[msg]), (42, &br#"["data",{"tag":"insert"}]"#[..]));
+        assert!(super::split_frame(r#"{"id":x,"msg":[]}"#).is_err());
+        assert!(super::split_frame("{}").is_err());
+        assert_eq!(super::frame_parts(br#"{"id":7,}"#).unwrap(), (7, 9..9), "cut short: no message");
+    }
 }
