@@ -6,7 +6,7 @@
 //! subscriber does not hold the rest.
 
 use std::cmp::Ordering as Cmp;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -50,8 +50,9 @@ impl Member {
     }
 
     /// Hands over the rows of a batch that lie after this member's
-    /// position; returns how many.
-    fn take(&mut self, rows: &[StoredRow], entries: &[Entry]) -> usize {
+    /// position, adding how many to `sent` first (so the count never trails
+    /// what the subscriber may already have received).
+    fn take(&mut self, rows: &[StoredRow], entries: &[Entry], sent: &AtomicU64) {
         let mut first = None;
         for (i, row) in rows.iter().enumerate() {
             if !self.found {
@@ -63,7 +64,7 @@ impl Member {
                             ErrorType::WatermarkTooOld,
                             format!("earliest supported watermark is {} (requested {})", row.watermark, self.sub.start),
                         )));
-                        return 0;
+                        return;
                     }
                 }
             }
@@ -77,9 +78,9 @@ impl Member {
                 self.at = (entry.watermark.clone(), last.pos);
             }
         }
-        let Some(i) = first else { return 0 };
+        let Some(i) = first else { return };
+        sent.fetch_add((entries.len() - i) as u64, Ordering::Relaxed);
         self.sub.catchup_many(&entries[i..]);
-        entries.len() - i
     }
 
     /// The snapshot ended and holds everything this member needs.
@@ -241,8 +242,9 @@ impl Scan {
             };
             std::mem::take(&mut st.members)
         };
-        let sent: usize = members.iter_mut().map(|m| m.take(&rows, &entries)).sum();
-        counters.sent.fetch_add(sent as u64, Ordering::Relaxed);
+        for m in &mut members {
+            m.take(&rows, &entries, &counters.sent);
+        }
         members.retain(|m| !m.sub.is_closed());
         let mut st = self.lock();
         members.append(&mut st.members);
