@@ -50,6 +50,23 @@ enum Command {
     MarkResetRequired,
     /// Catch a subscriber up once everything queued before it is durable.
     Catchup(Arc<Subscriber>, String),
+    /// The loop's handle is gone: finish as if the queue had closed.
+    Stop,
+}
+
+/// The loop's end of the command queue. Dropping it (in [`Storer::stop`],
+/// or with the loop's task when a runtime shuts down) stops the thread
+/// after what is queued. A closed queue alone would not do: the hub keeps a
+/// [`CatchupQueue`] into it, and until a new lineage's snapshot is durable
+/// the thread itself keeps the hub (through [`Establish::on_durable`]), so
+/// the thread would wait for a command forever, and so would the runtime's
+/// shutdown.
+struct LoopSender(mpsc::UnboundedSender<Command>);
+
+impl Drop for LoopSender {
+    fn drop(&mut self) {
+        let _ = self.0.send(Command::Stop);
+    }
 }
 
 /// A lineage whose first transaction (its snapshot) is not durable yet.
@@ -103,7 +120,7 @@ impl Budget {
 
 /// The loop's handle on a running storer.
 pub struct Storer {
-    commands: mpsc::UnboundedSender<Command>,
+    commands: LoopSender,
     budget: Arc<Budget>,
     thread: tokio::task::JoinHandle<StorerExit>,
     exited: Arc<Exited>,
@@ -174,22 +191,22 @@ impl Storer {
             worker.budget.drained.notify_waiters();
             StorerExit { log: worker.log, result }
         });
-        Storer { commands, budget, thread, exited }
+        Storer { commands: LoopSender(commands), budget, thread, exited }
     }
 
     pub fn catchup_queue(&self) -> CatchupQueue {
-        CatchupQueue(self.commands.clone())
+        CatchupQueue(self.commands.0.clone())
     }
 
     /// Queues a change of the transaction at `watermark`. Never blocks.
     pub fn store(&self, watermark: &Arc<str>, change: &Change) {
         self.budget.queued.fetch_add(change.json.len(), Ordering::AcqRel);
         // A send fails only once the thread has exited; `finished` reports why.
-        let _ = self.commands.send(Command::Change { watermark: watermark.clone(), change: change.clone() });
+        let _ = self.commands.0.send(Command::Change { watermark: watermark.clone(), change: change.clone() });
     }
 
     pub fn abort(&self) {
-        let _ = self.commands.send(Command::Abort);
+        let _ = self.commands.0.send(Command::Abort);
     }
 
     /// Resolves once the queue is below its budget (immediately if it is).
@@ -227,7 +244,7 @@ impl Storer {
 
     /// Records that the upstream asked for a reset, in stream order.
     pub fn mark_reset_required(&self) {
-        let _ = self.commands.send(Command::MarkResetRequired);
+        let _ = self.commands.0.send(Command::MarkResetRequired);
     }
 
     /// Lets the storer write what is queued, then returns the log. Fails with
@@ -350,6 +367,7 @@ impl Worker {
                 }
                 Command::Abort => self.abort_current()?,
                 Command::Catchup(sub, rv) => self.catchups.push((sub, rv)),
+                Command::Stop => break,
                 Command::MarkResetRequired => {
                     if self.storage_open && self.current.is_none() {
                         self.commit_group()?;
@@ -630,6 +648,37 @@ mod tests {
         let mut log = MemoryChangeLog::default();
         log.reset("00").unwrap();
         log
+    }
+
+    /// The loop's task can be dropped without stopping the storer (a runtime
+    /// shutting down drops it) while a new lineage's snapshot is still being
+    /// written. The thread must end all the same, though the lineage's
+    /// callback keeps the hub, and the hub a queue into the thread.
+    #[test]
+    fn the_thread_ends_when_its_handle_is_dropped_before_the_snapshot_is_durable() {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let mut durable = runtime.block_on(async {
+            let hub = Arc::new(std::sync::Mutex::new(None::<CatchupQueue>));
+            let held = hub.clone();
+            let establish = Establish { lineage: None, on_durable: Box::new(move |_| drop(held)) };
+            let s = start(seeded(), StorerOptions::default(), Some(establish));
+            *hub.lock().unwrap() = Some(s.storer.catchup_queue());
+            s.send("01", begin("01"));
+            s.durable
+        });
+        // The thread drops its end of `durable` as it exits.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let ended = loop {
+            match durable.try_recv() {
+                Err(mpsc::error::TryRecvError::Disconnected) => break true,
+                Ok(w) => panic!("{w} became durable: the snapshot was never committed"),
+                Err(mpsc::error::TryRecvError::Empty) if std::time::Instant::now() > deadline => break false,
+                Err(mpsc::error::TryRecvError::Empty) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        };
+        // Dropping the runtime would wait for the thread: if it still runs, forever.
+        runtime.shutdown_background();
+        assert!(ended, "the storer thread still runs after its handle was dropped");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
