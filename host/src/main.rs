@@ -437,6 +437,9 @@ fn main() -> ExitCode {
             }
         }
     });
+    // The graceful part is done or past its bound: a call still running on a
+    // blocking thread (storage, a plugin) must not keep the process alive.
+    runtime.shutdown_timeout(Duration::from_secs(1));
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
