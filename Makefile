@@ -74,6 +74,8 @@ fmt:
 	$(CARGO) fmt --all
 
 lint:
+	@rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt
+	@rustup target list --installed 2>/dev/null | grep -q '^wasm32-wasip2$$' || rustup target add wasm32-wasip2
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --all-targets -- -D warnings
 	$(CARGO) clippy --target wasm32-wasip2 $(addprefix -p ,$(PLUGINS) $(TEST_PLUGINS)) -- -D warnings

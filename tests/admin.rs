@@ -53,7 +53,19 @@ impl Running {
         }
     }
 
-    /// SIGTERM, and wait for the exit.
+    /// Waits for the process to exit by itself.
+    fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "sluice does not exit; log:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM, and wait for the exit (at once if it has exited).
     fn stop(mut self) {
         let _ = Command::new("kill").arg(self.child.id().to_string()).status();
         let deadline = Instant::now() + WAIT;
@@ -84,9 +96,9 @@ fn json(out: &Output) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(out)))
 }
 
-/// Inspect what a running Sluice wrote, refuse to reset it while it runs,
-/// then reset it once stopped.
-async fn inspect_and_reset(change_db: &[String]) {
+/// Inspect what a running Sluice wrote, refuse to reset it while it runs
+/// (saying `refusal`), then reset it once stopped.
+async fn inspect_and_reset(change_db: &[String], refusal: &str) {
     let dir = tempfile::tempdir().unwrap();
     let mut args: Vec<String> =
         ["--source", "mock-source", "--source-config", r#"{"rate": 300, "rows_per_tx": 2, "tables": 2}"#]
@@ -115,7 +127,8 @@ async fn inspect_and_reset(change_db: &[String]) {
     reset.extend(change_db.iter().map(String::as_str));
     let refused = admin(&reset);
     assert!(!refused.status.success());
-    assert!(text(&refused).contains("a Sluice answers at"), "{}", text(&refused));
+    assert!(text(&refused).contains(refusal), "{}", text(&refused));
+    assert!(json(&admin(&inspect))["exists"] == true, "nothing deleted while a writer runs");
     host.stop();
 
     let unconfirmed = admin(&reset[..2].iter().chain(&reset[3..]).copied().collect::<Vec<_>>());
@@ -131,13 +144,71 @@ async fn inspect_and_reset(change_db: &[String]) {
 async fn a_sqlite_log_is_inspected_and_reset() {
     let dir = tempfile::tempdir().unwrap();
     let db = format!("sqlite:{}", dir.path().join("log.db").display());
-    inspect_and_reset(&["--change-db".into(), db]).await;
+    inspect_and_reset(&["--change-db".into(), db.clone()], "is being written by another Sluice").await;
+}
+
+/// One writer per SQLite change log: of two `sluice run` on one file, the
+/// second (started later, or at the same moment) exits non-zero with one
+/// line naming the file and the holder, the first runs on with no error in
+/// its log, `log reset` is refused even with `--force` while it runs, and
+/// the log holds whole transactions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_log_has_one_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = common::LogSpec::new(common::Backend::Sqlite, dir.path());
+    let db = format!("sqlite:{}", spec.sqlite.display());
+    let args: Vec<String> =
+        ["--source", "mock-source", "--source-config", r#"{"rate": 300, "rows_per_tx": 2}"#, "--change-db", &db]
+            .map(String::from)
+            .to_vec();
+    let first = Running::start(&args, dir.path());
+    first.wait_status("10 stored transactions", |s| s["transactions"].as_u64().is_some_and(|n| n >= 10));
+    let mut second = Running::start(&args, dir.path());
+    let exit = second.wait_exit();
+    assert!(!exit.success(), "the second writer exits non-zero");
+    let line = second.log_text();
+    assert!(line.contains("is being written by another Sluice"), "{line}");
+    assert!(line.contains(&spec.sqlite.display().to_string()), "names the file: {line}");
+    assert!(line.contains(&format!("pid {}", first.child.id())), "names the holder's pid: {line}");
+    assert!(line.contains(&first.addr), "names the holder's address: {line}");
+    let forced = admin(&["log", "reset", "--yes", "--force", "--change-db", &db]);
+    assert!(!forced.status.success() && text(&forced).contains("is being written by another Sluice"), "{}", text(&forced));
+    first.wait_status("more stored transactions", |s| s["transactions"].as_u64().is_some_and(|n| n >= 40));
+    let log = first.log_text();
+    assert!(!log.contains("ERROR"), "the first writer logged an error:\n{log}");
+    first.stop();
+    spec.assert_whole().await;
+
+    // Two at the same moment: exactly one runs.
+    let mut pair = [Running::start(&args, dir.path()), Running::start(&args, dir.path())];
+    let deadline = Instant::now() + WAIT;
+    let loser = loop {
+        if let Some(i) = (0..2).find(|&i| pair[i].child.try_wait().unwrap().is_some()) {
+            break i;
+        }
+        assert!(Instant::now() < deadline, "neither exited:\n{}\n----\n{}", pair[0].log_text(), pair[1].log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(pair[loser].log_text().contains("is being written by another Sluice"), "{}", pair[loser].log_text());
+    let winner = &mut pair[1 - loser];
+    let before = winner.wait_status("the winner serving", |s| s["lastWatermark"].is_string())["transactions"]
+        .as_u64()
+        .unwrap_or(0);
+    winner.wait_status("the winner storing", |s| s["transactions"].as_u64().is_some_and(|n| n > before + 10));
+    assert!(winner.child.try_wait().unwrap().is_none(), "the winner runs on");
+    let [a, b] = pair;
+    for host in [a, b] {
+        host.stop();
+    }
+    spec.assert_whole().await;
+    let done = admin(&["log", "reset", "--yes", "--change-db", &db]);
+    assert!(done.status.success(), "reset once released: {}", text(&done));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_change_db_is_inspected_and_reset() {
     let app = format!("admin{}", std::process::id());
-    inspect_and_reset(&["--change-db".into(), common::pg_url(), "--app-id".into(), app]).await;
+    inspect_and_reset(&["--change-db".into(), common::pg_url(), "--app-id".into(), app], "a Sluice answers at").await;
 }
 
 /// Status while streaming and after; a slot in use is not dropped; the

@@ -119,7 +119,7 @@ async fn a_takeover_before_a_transaction_stops_the_old_owner_without_writing() {
 /// A host that stored transaction 03 and is inside 05 (begin and one row
 /// written, so its storage transaction holds the `replicationState` row);
 /// also a client of the change DB and the query that probes the lock.
-async fn owner_inside_a_transaction() -> (tempfile::TempDir, LogSpec, Feed, Harness, tokio_postgres::Client, String) {
+async fn owner_inside_a_transaction() -> (tempfile::TempDir, LogSpec, Feed, Harness, sluice::pgconn::PgClient, String) {
     let (dir, spec, feed, h) = fed_harness().await;
     feed.tx("03", &[1]);
     stored(&h, "03").await;

@@ -189,6 +189,15 @@ async fn only_allowed_filters_are_served() {
     let (code, reason) = refused.close_reason().await;
     assert_eq!(code, 1002);
     assert!(reason.contains("\"bad-filter\" is not allowed"), "{reason}");
+    // A refusal longer than a close frame holds arrives whole first, as the
+    // protocol's error message; the close reason sums it up.
+    let long = "a-filter-nobody-installed-".repeat(5);
+    let mut refused = host.subscribe(&filters(&long), bearer()).await.unwrap();
+    let first: serde_json::Value = serde_json::from_str(&refused.next().await.expect("the error first")).unwrap();
+    assert_eq!(first[0], "error", "{first}");
+    assert!(first[1]["message"].as_str().is_some_and(|m| m.contains(&long)), "{first}");
+    let (code, reason) = refused.close_reason().await;
+    assert!(code == 1002 && reason.len() <= 123 && reason.starts_with("Error: "), "{code} {reason}");
     let mut served = host.subscribe(&filters("redact"), bearer()).await.unwrap();
     let first = served.take(3).await;
     assert!(first.iter().any(|m| m.starts_with("begin")), "{first:?}");
@@ -413,6 +422,106 @@ async fn sigterm_closes_subscribers_with_going_away_and_exits_zero() {
     };
     assert!(status.success(), "exit {status}:\n{}", host.log_text());
     assert!(host.log_text().contains("stopped"), "{}", host.log_text());
+}
+
+/// A subscriber that reads on until the connection ends and reports how it
+/// ended: the close frame's code and reason, and whether the TCP connection
+/// then ended cleanly (end of stream, no reset).
+async fn read_to_close(mut client: Client, slow: bool) -> (u16, String, bool) {
+    use futures::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message as Ws;
+    let mut closed = None;
+    let mut read = 0u64;
+    loop {
+        let frame = match tokio::time::timeout(WAIT, client.ws.next()).await {
+            Ok(frame) => frame,
+            Err(_) => panic!("nothing for {WAIT:?} after {read} frames (close {closed:?})"),
+        };
+        match frame {
+            Some(Ok(Ws::Text(t))) => {
+                read += 1;
+                let v: serde_json::Value = serde_json::from_str(&t).unwrap();
+                let _ = client.ws.send(Ws::Text(format!("{{\"ack\":{}}}", v["id"]).into())).await;
+                if slow && read % 20 == 0 {
+                    // A catch-up read at a modest pace: it is still running at the signal.
+                    tokio::time::sleep(Duration::from_millis(15)).await;
+                }
+            }
+            Some(Ok(Ws::Close(Some(f)))) => closed = Some((u16::from(f.code), f.reason.to_string())),
+            Some(Ok(Ws::Close(None))) => closed = Some((1005, String::new())),
+            Some(Ok(_)) => {}
+            // After the close frame: the end of the stream, clean or not.
+            None => {
+                let (code, reason) = closed.unwrap_or((1006, "no close frame".into()));
+                return (code, reason, true);
+            }
+            Some(Err(e)) => {
+                let (code, reason) = closed.unwrap_or((1006, format!("no close frame: {e}")));
+                return (code, reason, false);
+            }
+        }
+    }
+}
+
+/// SIGTERM with subscribers live and catching up (reading a long backlog at
+/// a modest pace), twice in a row, the second time with the signal sent
+/// twice a few milliseconds apart (a repeat within a second is the same
+/// request): every subscriber receives 1001 and a clean end of stream, and
+/// Sluice exits 0 each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_reaches_live_and_catching_up_subscribers_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let log_db = dir.path().join("log.db");
+    for run in 0..2 {
+        let run_dir = tempfile::tempdir().unwrap();
+        let extra = [
+            "--source-config".to_string(),
+            serde_json::json!({"rate": 3000, "rows_per_tx": 2}).to_string(),
+            "--change-db".into(),
+            format!("sqlite:{}", log_db.display()),
+        ];
+        let mut host = Host::start_with(run_dir, &extra);
+        let deadline = Instant::now() + WAIT;
+        while common::process::status_with(&host.addr, TOKEN)
+            .and_then(|s| s["transactions"].as_u64())
+            .is_none_or(|n| n < 3000)
+        {
+            assert!(Instant::now() < deadline, "no backlog:\n{}", host.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mut readers = Vec::new();
+        for slow in [true, true, false, false] {
+            let client = host.subscribe("", bearer()).await.unwrap();
+            readers.push(tokio::spawn(read_to_close(client, slow)));
+        }
+        // Let every reader get going.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let pid = host.child.id().to_string();
+        let signals = if run == 0 { 1 } else { 2 };
+        for _ in 0..signals {
+            assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        for (i, reader) in readers.into_iter().enumerate() {
+            let (code, reason, clean) = reader.await.unwrap();
+            let kind = if i < 2 { "catching up" } else { "live" };
+            assert_eq!(
+                (code, reason.as_str(), clean),
+                (1001, "Sluice is shutting down", true),
+                "run {run}, subscriber {i} ({kind}):\n{}",
+                host.log_text()
+            );
+        }
+        let deadline = Instant::now() + WAIT;
+        let status = loop {
+            if let Some(status) = host.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "still running:\n{}", host.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.success(), "run {run}: exit {status}:\n{}", host.log_text());
+    }
 }
 
 /// `GET /metrics` (with the token) parses as Prometheus text: the stored

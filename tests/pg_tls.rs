@@ -25,13 +25,13 @@ fn tls_url(server: &PgServer, user: &str, params: &str) -> String {
     format!("postgres://{user}@127.0.0.1:{}/postgres?{params}", server.port)
 }
 
-async fn client(url: &str) -> Result<tokio_postgres::Client, String> {
+async fn client(url: &str) -> Result<pgconn::PgClient, String> {
     let target = PgTarget::parse(url)?;
-    pgconn::connect(&target, &target.config).await.map_err(|e| pgconn::explain(pgconn::error_text(&e), &target))
+    pgconn::connect(&target, &target.config).await.map_err(|e| pgconn::explain(e.text(), &target))
 }
 
 /// The server, with the roles the tests use.
-async fn tls_server(pki: &Pki) -> (PgServer, tokio_postgres::Client) {
+async fn tls_server(pki: &Pki) -> (PgServer, pgconn::PgClient) {
     let server = PgServer::start_tls(pki);
     let ca = pki.path("ca.crt");
     let admin = client(&tls_url(&server, "postgres", &format!("sslmode=verify-full&sslrootcert={}", ca.display())))
@@ -233,7 +233,7 @@ async fn certificates_that_do_not_verify_are_refused() {
 async fn require_client_certificates_and_plain_servers() {
     let pki = Pki::new();
     let (server, _admin) = tls_server(&pki).await;
-    let ssl_of = |c: tokio_postgres::Client| async move {
+    let ssl_of = |c: pgconn::PgClient| async move {
         c.query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()", &[]).await.unwrap().get::<_, bool>(0)
     };
     assert!(ssl_of(client(&tls_url(&server, "postgres", "sslmode=require")).await.unwrap()).await);

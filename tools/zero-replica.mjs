@@ -12,12 +12,17 @@
 // example the app's own:
 //
 //   node /path/to/sluice/tools/zero-replica.mjs --sluice HOST:PORT --file replica.db \
-//        [--app zero] [--shard 0]
+//        [--app zero] [--shard 0] [--token-file PATH]
+//
+// A Sluice started with --token needs it here too: from the file named by
+// --token-file, or the SLUICE_TOKEN environment variable (never on the
+// command line, where other users of the machine can read it). It is sent
+// as an Authorization header to /status and in the stream URL's user info.
 //
 // It prints {"replicaVersion": ..., "watermark": ...} and exits 0, or names
 // the cause and exits 1. An existing file is refused (remove it first).
 import { createRequire } from 'node:module';
-import { existsSync } from 'node:fs';
+import { existsSync, readFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { pathToFileURL } from 'node:url';
 
@@ -37,6 +42,15 @@ const file = args.get('file') ?? fail('--file PATH is required');
 const appID = args.get('app') ?? 'zero';
 const shardNum = Number(args.get('shard') ?? '0');
 if (existsSync(file)) fail(`${file} exists; a replica is written only into a new file`);
+if (args.has('token')) fail('--token is not taken on the command line: use --token-file PATH or SLUICE_TOKEN');
+let token = process.env.SLUICE_TOKEN ?? '';
+if (args.has('token-file')) {
+  try {
+    token = readFileSync(args.get('token-file'), 'utf8').trim();
+  } catch (e) {
+    fail(`reading the token file ${args.get('token-file')}: ${e.message}`);
+  }
+}
 
 // zero-cache's modules, from the @rocicorp/zero installed where this runs.
 const here = createRequire(join(process.cwd(), 'index.js'));
@@ -53,9 +67,19 @@ const { initializeCustomChangeSource } = await load('out/zero-cache/src/services
 const { LogContext } = await import(pathToFileURL(zeroRequire.resolve('@rocicorp/logger')).href);
 const Database = (await import(pathToFileURL(zeroRequire.resolve('@rocicorp/zero-sqlite3')).href)).default;
 
-const status = await fetch(`http://${sluice}/status`)
-  .then((r) => r.json())
-  .catch((e) => fail(`reading http://${sluice}/status: ${e.message}`));
+const headers = token ? { authorization: `Bearer ${token}` } : {};
+const response = await fetch(`http://${sluice}/status`, { headers }).catch((e) =>
+  fail(`reading http://${sluice}/status: ${e.message}`),
+);
+if (response.status === 401) {
+  fail(
+    token
+      ? `Sluice at ${sluice} refused the token (401): check --token-file or SLUICE_TOKEN against Sluice's --token`
+      : `Sluice at ${sluice} requires a token (401): pass --token-file PATH or set SLUICE_TOKEN`,
+  );
+}
+if (!response.ok) fail(`reading http://${sluice}/status: HTTP ${response.status}`);
+const status = await response.json().catch((e) => fail(`reading http://${sluice}/status: ${e.message}`));
 const replicaVersion = status.replicaVersion ?? fail(`Sluice at ${sluice} serves no lineage yet`);
 
 // zero-cache's log lines go to stderr; stdout carries only the result.
@@ -69,7 +93,8 @@ const lc = new LogContext('info', { component: 'zero-replica' }, stderrSink);
 const shard = { appID, shardNum, publications: [] };
 const context = { appID, taskID: 'sluice-zero-replica', timestamp: new Date().toISOString() };
 try {
-  await initializeCustomChangeSource(lc, `ws://${sluice}/changes/v0/stream`, shard, file, context);
+  const auth = token ? `sluice:${encodeURIComponent(token)}@` : '';
+  await initializeCustomChangeSource(lc, `ws://${auth}${sluice}/changes/v0/stream`, shard, file, context);
 } catch (e) {
   fail(`the initial sync from ${sluice} failed: ${e?.message ?? e}`);
 }

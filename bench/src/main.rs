@@ -685,6 +685,7 @@ fn pg_settings(url: &str, app_id: &str) -> sluice::storage::postgres::PgSettings
         shard_num: 0,
         task_id: "sluice".into(),
         statement_timeout: Duration::from_secs(20),
+        call_timeout: sluice::storage::postgres::DEFAULT_CALL_TIMEOUT,
         application_name: "zero-change-streamer".into(),
         synchronous_commit: true,
     }

@@ -330,6 +330,13 @@ struct RunArgs {
     /// Postgres change DB statement timeout, in milliseconds.
     #[arg(long, default_value_t = 20000, env = "SLUICE_STATEMENT_TIMEOUT_MS")]
     statement_timeout_ms: u64,
+    /// The longest a Postgres change DB call may wait for an answer, in
+    /// milliseconds, before its connection is given up as dead and opened
+    /// again (a silent network path). A transaction the server sees left
+    /// idle for twice this long is ended by the server, so a standby can
+    /// take over from a host that vanished.
+    #[arg(long, default_value_t = 10000, env = "SLUICE_CHANGE_DB_TIMEOUT_MS")]
+    change_db_timeout_ms: u64,
     /// Catch-ups reading the Postgres change DB at once (each holds a
     /// connection); more wait for a place.
     #[arg(long, default_value_t = sluice::storage::postgres::DEFAULT_MAX_SNAPSHOTS, env = "SLUICE_CHANGE_DB_READERS")]
@@ -409,7 +416,8 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         // Colour only for a person at a terminal, never into a collector's file.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    if cli.log_format == "json" {
+    let json_logs = cli.log_format == "json";
+    if json_logs {
         logs.json().init();
     } else {
         logs.init();
@@ -443,7 +451,12 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            if json_logs {
+                // A collector reading JSON lines must get the line that matters as one too.
+                tracing::error!(exit = true, "{e:#}");
+            } else {
+                eprintln!("error: {e:#}");
+            }
             ExitCode::from(2)
         }
     }
@@ -535,6 +548,15 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let config = read_source_config(&args.source_config)?;
     let source_config = config.clone();
     let change_db = parse_change_db(&args.change_db)?;
+    // One writer per SQLite log, held until this function returns (or the
+    // process dies), checked before anything is opened or written.
+    let mut writer_lock = match &change_db {
+        ChangeDb::Sqlite(path) => Some(sluice::storage::writer_lock::WriterLock::acquire(
+            path,
+            &format!("listening on {}", args.listen),
+        )?),
+        ChangeDb::Postgres(_) => None,
+    };
     let durability = match args.sync.as_str() {
         "full" => Durability::Full,
         "normal" => Durability::Normal,
@@ -621,6 +643,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     shard_num: args.shard_num,
                     task_id: args.task_id.clone(),
                     statement_timeout: Duration::from_millis(args.statement_timeout_ms),
+                    call_timeout: Duration::from_millis(args.change_db_timeout_ms.max(1000)),
                     application_name: "zero-change-streamer".into(),
                     synchronous_commit: durability == Durability::Full,
                 };
@@ -679,6 +702,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let addr = service.addr();
     let (ws, http) = if endpoint_tls.is_some() { ("wss", "https") } else { ("ws", "http") };
+    if let Some(lock) = writer_lock.as_mut() {
+        if let Err(e) = lock.record(&format!("listening on {ws}://{addr}")) {
+            tracing::warn!("recording this process in {}: {e}", lock.path().display());
+        }
+    }
     tracing::info!(
         "sluice listening on {ws}://{addr}/replication/v6/changes (status: {http}://{addr}/status); change log {}",
         where_
@@ -692,9 +720,18 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     // the bound, ends it at once.
     let bound = Duration::from_secs(args.shutdown_timeout_secs);
     tracing::info!("shutting down (within {} s; a second signal exits at once)", bound.as_secs());
-    tokio::spawn(async {
-        wait_for_signal().await;
-        eprintln!("error: a second signal: exiting without waiting for the shutdown");
+    let first_signal = std::time::Instant::now();
+    tokio::spawn(async move {
+        // A repeat within a second is the same request (a supervisor that
+        // signals the process group, or a double Ctrl-C), not an order to
+        // skip the graceful part.
+        loop {
+            wait_for_signal().await;
+            if first_signal.elapsed() >= Duration::from_secs(1) {
+                break;
+            }
+        }
+        tracing::error!("a second signal: exiting without waiting for the shutdown");
         std::process::exit(130);
     });
     match tokio::time::timeout(bound, service.stop()).await {
@@ -775,6 +812,15 @@ async fn log_command(command: LogCommand) -> anyhow::Result<()> {
         LogCommand::Inspect { log, json } => print_report(&log.place()?.inspect().await?, json),
         LogCommand::Reset { log, yes, force } => {
             let place = log.place()?;
+            // A running writer is never deleted from under, --force or not.
+            if let sluice::admin::log::LogPlace::Sqlite(path) = &place {
+                if let Some(holder) = sluice::storage::writer_lock::held_by(path)? {
+                    anyhow::bail!(sluice::storage::writer_lock::LockError::Held {
+                        log: path.display().to_string(),
+                        holder
+                    });
+                }
+            }
             let report = place.inspect().await?;
             if !report.exists {
                 println!("{}: there is no change log to reset", place.describe());

@@ -167,6 +167,18 @@ impl prometheus_client::collector::Collector for StatusCollector {
                 idle as f64 / 1e3,
             )?;
         }
+        {
+            let mut family = encoder.encode_descriptor(
+                "stalled",
+                "How long each network path has been stalled (0: not stalled; a path counts as stalled after 5 s without an answer)",
+                Some(&Unit::Seconds),
+                MetricType::Gauge,
+            )?;
+            for path in crate::status::NetPath::ALL {
+                let secs = s.stalls.iter().find(|st| st.path == path).map_or(0.0, |st| st.for_ms as f64 / 1e3);
+                ConstGauge::new(secs).encode(family.encode_family(&[("path", path.label())])?)?;
+            }
+        }
         let catchup = self.hub.catchups().view();
         counter_value(
             &mut encoder,

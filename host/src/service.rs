@@ -82,7 +82,7 @@ impl ServiceConfig {
             streamer: StreamerOptions::default(),
             cleanup: Some(CleanupOptions::default()),
             subscriber_limits: crate::subscriber::Limits::default(),
-            ping_interval: Duration::from_secs(30),
+            ping_interval: Duration::from_secs(10),
             filters: FilterHost::none(),
             zero_permissions: None,
             access: crate::server::access::Access::open(),
@@ -108,7 +108,13 @@ pub struct Service {
     /// The replication loop, until it has ended or was stopped.
     replication: Option<Replication>,
     server: JoinHandle<std::io::Result<()>>,
+    /// The stream connections, which a stop waits to see closed.
+    access: Arc<crate::server::access::Access>,
 }
+
+/// How long a stop waits for subscribers to answer their close frames
+/// (each connection bounds its own close too).
+const CLOSE_HANDSHAKES: Duration = Duration::from_secs(5);
 
 /// A running replication loop and its own stop signal.
 struct Replication {
@@ -147,7 +153,7 @@ impl Service {
             ping_interval: config.ping_interval,
             filters: config.filters,
             zero_permissions: config.zero_permissions.map(Arc::new),
-            access: config.access,
+            access: config.access.clone(),
             ready_backoff: config.ready_backoff,
             shutdown: stop_rx.clone(),
             plugins: config.plugins,
@@ -167,6 +173,7 @@ impl Service {
         if config.log_progress {
             tokio::spawn(log_progress(status.clone(), stop_rx.clone()));
         }
+        tokio::spawn(log_stalls(status.clone(), stop_rx.clone()));
         let options = StreamerOptions {
             advertise: config.advertise.unwrap_or_else(|| format!("{scheme}{}", advertised(addr))),
             ..config.streamer
@@ -175,7 +182,7 @@ impl Service {
         streamer.seed_hub();
         let server = tokio::spawn(serve);
         let replication = Some(Replication::start(streamer));
-        Ok(Service { addr, status, hub, stop, options, replication, server })
+        Ok(Service { addr, status, hub, stop, options, replication, server, access: config.access })
     }
 
     /// Stops the replication loop alone (the storer drains what is queued)
@@ -233,9 +240,19 @@ impl Service {
     }
 
     /// Stops the loop (the storer drains what is queued) and the endpoint.
+    /// Stops: every subscriber gets a close frame 1001 and a clean close
+    /// (waited for, within a bound), the storer drains, and the endpoint
+    /// closes.
     pub async fn stop(mut self) -> anyhow::Result<()> {
         let _ = self.stop.send(true);
         let result = self.stop_replication().await;
+        if tokio::time::timeout(CLOSE_HANDSHAKES, self.access.all_closed()).await.is_err() {
+            tracing::warn!(
+                "{} subscriber connection(s) did not finish closing within {} s",
+                self.access.connections(),
+                CLOSE_HANDSHAKES.as_secs()
+            );
+        }
         self.server.abort();
         result
     }
@@ -277,6 +294,35 @@ fn advertised(bound: SocketAddr) -> String {
         loopback
     });
     SocketAddr::new(ip, bound.port()).to_string()
+}
+
+/// One line when a network path stalls (see [`crate::status::STALL_AFTER`])
+/// and one when it recovers, with how long it lasted.
+async fn log_stalls(status: Arc<Status>, mut stop: watch::Receiver<bool>) {
+    use crate::status::NetPath;
+    let mut stalled: [Option<Duration>; 2] = [None; 2];
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        for (i, path) in NetPath::ALL.into_iter().enumerate() {
+            let now = status.stalls().into_iter().find(|s| s.path == path);
+            match (&stalled[i], now) {
+                (None, Some(report)) => {
+                    tracing::warn!("{} stalled: {}; /readyz answers 503 until it recovers", path.label(), report.reason);
+                    stalled[i] = Some(Duration::from_millis(report.for_ms));
+                }
+                (Some(_), Some(report)) => stalled[i] = Some(Duration::from_millis(report.for_ms)),
+                (Some(lasted), None) => {
+                    tracing::info!("{} recovered from a stall of at least {:.1} s", path.label(), lasted.as_secs_f64());
+                    stalled[i] = None;
+                }
+                (None, None) => {}
+            }
+        }
+    }
 }
 
 async fn log_progress(status: Arc<Status>, mut stop: watch::Receiver<bool>) {

@@ -91,10 +91,60 @@ pub struct Snapshot {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upstream_behind_bytes: Option<u64>,
     /// For sources that give commit times (`commitTimeMs`): how long the
-    /// last durable transaction took from its upstream commit.
+    /// last durable transaction took from its upstream commit. While the
+    /// change log is stalled it grows with the stall.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub source_lag_ms: Option<f64>,
+    /// The network paths stalled now (see [`Stalls`]), empty when none is.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stalls: Vec<StallReport>,
 }
+
+/// A path Sluice waits on over the network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum NetPath {
+    /// The upstream: the source's link (the replication connection for the
+    /// Postgres source), or the attempts to reopen it.
+    Source,
+    /// The change log: a storage call waiting for its answer (the change DB
+    /// for Postgres, the disk for SQLite).
+    ChangeLog,
+}
+
+impl NetPath {
+    pub const ALL: [NetPath; 2] = [NetPath::Source, NetPath::ChangeLog];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            NetPath::Source => "source",
+            NetPath::ChangeLog => "change_log",
+        }
+    }
+
+    fn describe(self, for_ms: u64) -> String {
+        let secs = for_ms as f64 / 1e3;
+        match self {
+            NetPath::Source => format!("nothing heard from the upstream for {secs:.1} s"),
+            NetPath::ChangeLog => format!("a change log call has waited {secs:.1} s for its answer"),
+        }
+    }
+}
+
+/// One stalled path, as `/status` shows it.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StallReport {
+    pub path: NetPath,
+    pub for_ms: u64,
+    pub reason: String,
+}
+
+/// A path counts as stalled once it has waited this long: past the
+/// Postgres source's first request for an answer (2 s) and any healthy
+/// commit, well before a link is given up as dead (10 s by default).
+pub const STALL_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
 
 #[derive(Debug, Clone, Serialize, Default)]
 #[serde(rename_all = "camelCase")]
@@ -144,6 +194,23 @@ pub struct Status {
     /// Upstream commit to durable, per transaction whose source gave its
     /// commit time.
     source_lag_seconds: prometheus_client::metrics::histogram::Histogram,
+    /// When the upstream was last heard from, while the loop listens (ms
+    /// since the Unix epoch; 0: not yet).
+    source_heard_ms: AtomicU64,
+    /// Since when a change log call has been waiting (0: none is).
+    change_log_call_ms: AtomicU64,
+    /// When the last durable transaction's lag was measured.
+    source_lag_at_ms: AtomicU64,
+}
+
+/// Marks a change log call in flight until dropped (see
+/// [`Status::change_log_call`]).
+pub struct CallInFlight<'a>(&'a AtomicU64);
+
+impl Drop for CallInFlight<'_> {
+    fn drop(&mut self) {
+        self.0.store(0, Ordering::Relaxed);
+    }
 }
 
 impl Default for Status {
@@ -156,6 +223,9 @@ impl Default for Status {
             commit_ns: AtomicU64::default(),
             source_message_ms: AtomicU64::default(),
             backing_off_since_ms: AtomicU64::default(),
+            source_heard_ms: AtomicU64::default(),
+            change_log_call_ms: AtomicU64::default(),
+            source_lag_at_ms: AtomicU64::default(),
             // 0.25 ms to about 8 s.
             commit_seconds: prometheus_client::metrics::histogram::Histogram::new(
                 prometheus_client::metrics::histogram::exponential_buckets(0.00025, 2.0, 16),
@@ -196,6 +266,9 @@ impl Status {
     /// established, the upstream needs no reset, and the source runs or has
     /// been backing off for less than `backoff_limit`. The reason when not.
     pub fn readiness(&self, backoff_limit: std::time::Duration) -> Result<(), String> {
+        if let Some(stall) = self.stalls().into_iter().next() {
+            return Err(format!("stalled: {}", stall.reason));
+        }
         let s = self.inner.lock().unwrap_or_else(|p| p.into_inner()).clone();
         if s.reset_required {
             return Err(format!(
@@ -234,7 +307,54 @@ impl Status {
         let last = self.source_message_ms.load(Ordering::Relaxed);
         s.source_idle_ms =
             (matches!(s.source, SourceState::Running) && last > 0).then(|| now_ms().saturating_sub(last));
+        s.stalls = self.stalls();
+        // Nothing becomes durable while the change log is stalled, and the
+        // upstream goes on committing: the lag grows from its last measure.
+        if s.stalls.iter().any(|st| st.path == NetPath::ChangeLog) {
+            let measured = self.source_lag_at_ms.load(Ordering::Relaxed);
+            if let (Some(lag), true) = (s.source_lag_ms.as_mut(), measured > 0) {
+                *lag += now_ms().saturating_sub(measured) as f64;
+            }
+        }
         s
+    }
+
+    /// How long `path` has been stalled, when it has been for at least
+    /// [`STALL_AFTER`].
+    pub fn stalled_for(&self, path: NetPath) -> Option<std::time::Duration> {
+        let since = match path {
+            NetPath::Source => self.source_heard_ms.load(Ordering::Relaxed),
+            NetPath::ChangeLog => self.change_log_call_ms.load(Ordering::Relaxed),
+        };
+        let waited = std::time::Duration::from_millis(now_ms().saturating_sub(since));
+        (since > 0 && waited >= STALL_AFTER).then_some(waited)
+    }
+
+    /// Every path stalled now.
+    pub fn stalls(&self) -> Vec<StallReport> {
+        let source_stopped = matches!(self.inner.lock().unwrap_or_else(|p| p.into_inner()).source, SourceState::Stopped { .. });
+        NetPath::ALL
+            .into_iter()
+            .filter(|path| !(source_stopped && *path == NetPath::Source))
+            .filter_map(|path| {
+                let waited = self.stalled_for(path)?.as_millis() as u64;
+                Some(StallReport { path, for_ms: waited, reason: path.describe(waited) })
+            })
+            .collect()
+    }
+
+    /// The loop is listening to the upstream, which was last heard from
+    /// `silent_for` ago (`None`: the source cannot tell, and its calls
+    /// return, which counts as heard).
+    pub fn source_heard(&self, silent_for: Option<std::time::Duration>) {
+        let ago = silent_for.map_or(0, |d| d.as_millis() as u64);
+        self.source_heard_ms.store(now_ms().saturating_sub(ago).max(1), Ordering::Relaxed);
+    }
+
+    /// A change log call begins; it is in flight until the guard is dropped.
+    pub fn change_log_call(&self) -> CallInFlight<'_> {
+        self.change_log_call_ms.store(now_ms(), Ordering::Relaxed);
+        CallInFlight(&self.change_log_call_ms)
     }
 
     /// The histogram of storage commit durations.
@@ -256,6 +376,7 @@ impl Status {
         for t in commit_times_ms {
             self.source_lag_seconds.observe((now - t).max(0.0) / 1e3);
         }
+        self.source_lag_at_ms.store(now as u64, Ordering::Relaxed);
         self.update(|s| s.source_lag_ms = Some((now - last).max(0.0)));
     }
 

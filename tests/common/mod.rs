@@ -1,8 +1,11 @@
 //! Shared helpers for the integration tests.
 #![allow(dead_code)]
 
+pub mod faultproxy;
 pub mod feed;
+pub mod host;
 pub mod mariadb;
+pub mod oracle;
 pub mod pgserver;
 pub mod pki;
 pub mod process;
@@ -140,6 +143,7 @@ impl LogSpec {
                 shard_num: 0,
                 task_id: task_id.to_string(),
                 statement_timeout: Duration::from_secs(20),
+                call_timeout: sluice::storage::postgres::DEFAULT_CALL_TIMEOUT,
             }
         });
         LogSpec { backend, sqlite: dir.join("log.db"), pg }
@@ -204,7 +208,7 @@ impl LogSpec {
         }
     }
 
-    pub async fn pg_client(&self) -> tokio_postgres::Client {
+    pub async fn pg_client(&self) -> sluice::pgconn::PgClient {
         let target = &self.pg.as_ref().expect("a Postgres log").target;
         sluice::pgconn::connect(target, &target.config).await.unwrap()
     }

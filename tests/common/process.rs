@@ -29,6 +29,15 @@ pub fn status(addr: &str) -> Option<serde_json::Value> {
     serde_json::from_str(&http_get(addr, "/status")?).ok()
 }
 
+/// `/status` of a host that requires `token`.
+pub fn status_with(addr: &str, token: &str) -> Option<serde_json::Value> {
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    write!(s, "GET /status HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    serde_json::from_str(text.split_once("\r\n\r\n")?.1).ok()
+}
+
 /// splitmix64: small, seeded, reproducible.
 pub struct Rng(pub u64);
 

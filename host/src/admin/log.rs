@@ -72,6 +72,9 @@ impl LogPlace {
     pub async fn reset(&self) -> anyhow::Result<()> {
         match self {
             LogPlace::Sqlite(path) => {
+                // Held while deleting, so no writer starts meanwhile; refused,
+                // whatever the flags, while a writer runs.
+                let _lock = crate::storage::writer_lock::WriterLock::acquire(path, "sluice log reset")?;
                 for suffix in ["", "-wal", "-shm"] {
                     let file = PathBuf::from(format!("{}{suffix}", path.display()));
                     match std::fs::remove_file(&file) {

@@ -12,11 +12,10 @@ pub mod postgres;
 pub(crate) async fn connect_postgres(
     target: &crate::pgconn::PgTarget,
     what: &str,
-) -> anyhow::Result<tokio_postgres::Client> {
+) -> anyhow::Result<crate::pgconn::PgClient> {
     let mut config = target.config.clone();
     config.application_name("sluice-admin");
-    config.connect_timeout(std::time::Duration::from_secs(10));
     crate::pgconn::connect(target, &config)
         .await
-        .map_err(|e| anyhow::anyhow!("connecting to {what} {}: {}", target.describe(), crate::pgconn::error_text(&e)))
+        .map_err(|e| anyhow::anyhow!("connecting to {what} {}: {}", target.describe(), e.text()))
 }

@@ -54,7 +54,7 @@ impl Upstream {
         Ok(Upstream { target, config })
     }
 
-    async fn connect(&self) -> anyhow::Result<tokio_postgres::Client> {
+    async fn connect(&self) -> anyhow::Result<crate::pgconn::PgClient> {
         super::connect_postgres(&self.target, "the upstream").await
     }
 

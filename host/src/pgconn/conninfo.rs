@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::time::Duration;
 
 use tokio_postgres::config::Host;
 
@@ -16,6 +17,9 @@ use super::tls::{SslMode, TlsSettings};
 pub struct PgTarget {
     pub config: tokio_postgres::Config,
     pub tls: TlsSettings,
+    /// A password file that was skipped for its permissions (libpq skips it
+    /// too): named in the error when the server then asks for a password.
+    pub ignored_passfile: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for PgTarget {
@@ -67,7 +71,7 @@ impl PgTarget {
     /// (`host=... dbname=...`). Anything else is an error, never a guess.
     pub fn parse(text: &str) -> Result<PgTarget, String> {
         let text = text.trim();
-        let (rest, own) = if text.starts_with("postgres://") || text.starts_with("postgresql://") {
+        let (rest, own, given) = if text.starts_with("postgres://") || text.starts_with("postgresql://") {
             split_url(text)?
         } else if text.contains('=') {
             split_keywords(text)?
@@ -78,6 +82,7 @@ impl PgTarget {
             );
         };
         let mut config = tokio_postgres::Config::from_str(&rest).map_err(|e| e.to_string())?;
+        apply_network_defaults(&mut config, &given);
         let get = |key: &str, env: &str| {
             own.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.clone()).or_else(|| std::env::var(env).ok())
         };
@@ -89,16 +94,30 @@ impl PgTarget {
             get("sslkey", "PGSSLKEY").map(PathBuf::from),
         )?;
         config.ssl_mode(tls.wire_mode());
+        let mut ignored_passfile = None;
         if config.get_password().is_none() {
             if let Ok(password) = std::env::var("PGPASSWORD") {
                 config.password(password);
             } else if let Some(file) = get("passfile", "PGPASSFILE").map(PathBuf::from).or_else(default_passfile) {
-                if let Some(password) = passfile_lookup(&file, &config) {
-                    config.password(password);
+                match passfile_lookup(&file, &config) {
+                    Ok(Some(password)) => {
+                        config.password(password);
+                    }
+                    Ok(None) => {}
+                    Err(Ignored) => ignored_passfile = Some(file),
                 }
             }
         }
-        Ok(PgTarget { config, tls })
+        Ok(PgTarget { config, tls, ignored_passfile })
+    }
+
+    /// Why there is no password to send, when a password file was skipped.
+    pub fn password_hint(&self) -> Option<String> {
+        let file = self.ignored_passfile.as_ref()?;
+        Some(format!(
+            "the password file {} was ignored because group or others can read it (chmod 0600 it)",
+            file.display()
+        ))
     }
 
     /// The first host, as written (or the socket directory).
@@ -123,16 +142,58 @@ impl PgTarget {
     }
 }
 
+/// What is passed to tokio-postgres, Sluice's own keys with their values,
+/// and every key the string names.
+type Split = (String, Vec<(String, String)>, Vec<String>);
+
+/// How long a connection attempt (TCP connect, TLS and login together)
+/// may take, unless `connect_timeout` says otherwise.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// TCP keepalive: probe an idle connection after this long ...
+pub const KEEPALIVES_IDLE: Duration = Duration::from_secs(5);
+/// ... then every this long, and give up after this many unanswered probes.
+pub const KEEPALIVES_INTERVAL: Duration = Duration::from_secs(2);
+pub const KEEPALIVES_RETRIES: u32 = 3;
+/// Data sent and not acknowledged by the peer's kernel for this long ends
+/// the connection (`TCP_USER_TIMEOUT`).
+pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// libpq waits for the kernel's defaults (keepalive after 2 hours, no
+/// connect bound), so a server whose machine died or whose link was cut
+/// would hold Sluice for hours. Unless the string sets them, every
+/// connection gets bounds of seconds: a dead peer is noticed in about 11 s
+/// when idle (5 + 3 x 2) and 10 s when data is waiting.
+fn apply_network_defaults(config: &mut tokio_postgres::Config, given: &[String]) {
+    let unset = |key: &str| !given.iter().any(|k| k == key);
+    if unset("connect_timeout") {
+        config.connect_timeout(CONNECT_TIMEOUT);
+    }
+    if unset("keepalives_idle") {
+        config.keepalives_idle(KEEPALIVES_IDLE);
+    }
+    if unset("keepalives_interval") {
+        config.keepalives_interval(KEEPALIVES_INTERVAL);
+    }
+    if unset("keepalives_retries") {
+        config.keepalives_retries(KEEPALIVES_RETRIES);
+    }
+    if unset("tcp_user_timeout") {
+        config.tcp_user_timeout(TCP_USER_TIMEOUT);
+    }
+}
+
 /// Removes Sluice's own keys from a URL's query; returns the rest and them.
-fn split_url(text: &str) -> Result<(String, Vec<(String, String)>), String> {
+fn split_url(text: &str) -> Result<Split, String> {
     let Some((base, query)) = text.split_once('?') else {
-        return Ok((text.to_string(), Vec::new()));
+        return Ok((text.to_string(), Vec::new(), Vec::new()));
     };
+    let mut given = Vec::new();
     let mut kept = Vec::new();
     let mut own = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (key, value) = url::form_urlencoded::parse(pair.as_bytes()).next().unwrap_or_default();
         check_key(&key)?;
+        given.push(key.to_string());
         if OWN_KEYS.contains(&key.as_ref()) {
             own.push((key.into_owned(), value.into_owned()));
         } else {
@@ -140,15 +201,16 @@ fn split_url(text: &str) -> Result<(String, Vec<(String, String)>), String> {
         }
     }
     let rest = if kept.is_empty() { base.to_string() } else { format!("{base}?{}", kept.join("&")) };
-    Ok((rest, own))
+    Ok((rest, own, given))
 }
 
 /// Splits `key=value` pairs (values may be 'quoted' with \\ escapes), keeps
 /// Sluice's own keys and writes the rest back for tokio-postgres.
-fn split_keywords(text: &str) -> Result<(String, Vec<(String, String)>), String> {
+fn split_keywords(text: &str) -> Result<Split, String> {
     let mut chars = text.chars().peekable();
     let mut kept = String::new();
     let mut own = Vec::new();
+    let mut given = Vec::new();
     loop {
         while chars.peek().is_some_and(|c| c.is_whitespace()) {
             chars.next();
@@ -198,6 +260,7 @@ fn split_keywords(text: &str) -> Result<(String, Vec<(String, String)>), String>
             }
         }
         check_key(&key)?;
+        given.push(key.clone());
         if OWN_KEYS.contains(&key.as_str()) {
             own.push((key, value));
         } else {
@@ -205,7 +268,7 @@ fn split_keywords(text: &str) -> Result<(String, Vec<(String, String)>), String>
             kept.push_str(&format!("{key}='{quoted}' "));
         }
     }
-    Ok((kept, own))
+    Ok((kept, own, given))
 }
 
 fn default_passfile() -> Option<PathBuf> {
@@ -216,18 +279,18 @@ fn default_passfile() -> Option<PathBuf> {
 /// `host:port:database:user:password` whose fields match (`*` matches
 /// anything; `\:` and `\\` are escapes). As libpq does, a file others can
 /// read is ignored with a warning.
-fn passfile_lookup(file: &Path, config: &tokio_postgres::Config) -> Option<String> {
-    let meta = std::fs::metadata(file).ok()?;
+fn passfile_lookup(file: &Path, config: &tokio_postgres::Config) -> Result<Option<String>, Ignored> {
+    let Ok(meta) = std::fs::metadata(file) else { return Ok(None) };
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
         if meta.permissions().mode() & 0o077 != 0 {
             tracing::warn!("password file {} has group or world access and is ignored; chmod 0600 it", file.display());
-            return None;
+            return Err(Ignored);
         }
     }
     let _ = meta;
-    let text = std::fs::read_to_string(file).ok()?;
+    let Ok(text) = std::fs::read_to_string(file) else { return Ok(None) };
     let host = match config.get_hosts().first() {
         Some(Host::Tcp(h)) => h.clone(),
         _ => "localhost".to_string(),
@@ -236,15 +299,18 @@ fn passfile_lookup(file: &Path, config: &tokio_postgres::Config) -> Option<Strin
     let user = config.get_user().unwrap_or("postgres").to_string();
     let db = config.get_dbname().unwrap_or(&user).to_string();
     let wanted = [host.as_str(), port.as_str(), db.as_str(), user.as_str()];
-    text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).find_map(|line| {
+    Ok(text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).find_map(|line| {
         let fields = passfile_fields(line);
         if fields.len() < 5 {
             return None;
         }
         let matches = wanted.iter().zip(&fields).all(|(want, field)| field == "*" || field == want);
         matches.then(|| fields[4..].join(":"))
-    })
+    }))
 }
+
+/// A password file skipped for its permissions.
+struct Ignored;
 
 fn passfile_fields(line: &str) -> Vec<String> {
     let mut fields = vec![String::new()];

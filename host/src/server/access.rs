@@ -33,6 +33,8 @@ pub struct AccessOptions {
 pub struct Access {
     options: AccessOptions,
     open: Mutex<Counts>,
+    /// Notified when the last stream connection ends.
+    all_closed: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -60,6 +62,9 @@ impl Drop for Permit {
     fn drop(&mut self) {
         let mut open = self.access.open.lock().unwrap_or_else(|e| e.into_inner());
         open.total = open.total.saturating_sub(1);
+        if open.total == 0 {
+            self.access.all_closed.notify_waiters();
+        }
         if let Some(n) = open.by_address.get_mut(&self.ip) {
             *n -= 1;
             if *n == 0 {
@@ -71,7 +76,7 @@ impl Drop for Permit {
 
 impl Access {
     pub fn new(options: AccessOptions) -> Arc<Access> {
-        Arc::new(Access { options, open: Mutex::new(Counts::default()) })
+        Arc::new(Access { options, open: Mutex::new(Counts::default()), all_closed: tokio::sync::Notify::new() })
     }
 
     /// No token and no caps (tests, and `sluice run` without the options).
@@ -86,6 +91,18 @@ impl Access {
     /// Open stream connections now.
     pub fn connections(&self) -> usize {
         self.open.lock().unwrap_or_else(|e| e.into_inner()).total
+    }
+
+    /// Resolves once no stream connection is open (at once if none is): a
+    /// graceful shutdown waits here for every subscriber's close handshake.
+    pub async fn all_closed(&self) {
+        loop {
+            let notified = self.all_closed.notified();
+            if self.connections() == 0 {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// A place for one more stream connection from `peer`, or the refusal

@@ -3,8 +3,10 @@
 //! Frames out are `{"id":n,"msg":<downstream message>}` with `n` counting
 //! from 1; the peer answers `{"ack":n}` when it has processed message `n`.
 //! Sending is pipelined: messages go out without waiting, and each counts as
-//! consumed when its ack arrives, in order. Pings every 30 s; a peer that
-//! answers neither pong nor message between two pings is dropped.
+//! consumed when its ack arrives, in order. Pings every 10 s; a peer that
+//! answers neither pong nor message between two pings is dropped, and so is
+//! one that takes nothing of a write for [`WRITE_STALL_LIMIT`] (a silent
+//! network path: its socket buffers are full and nothing drains them).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -148,7 +150,14 @@ pub async fn close_with_error(mut socket: WebSocket, message: &str) {
 /// subscriber socket.
 async fn refuse<S: Io>(mut socket: Socket<S>, message: &str) {
     tracing::info!("closing subscriber connection: {message}");
-    socket.close(PROTOCOL_ERROR, &elide(&format!("Error: {message}"), 123)).await;
+    let reason = format!("Error: {message}");
+    if reason.len() > 123 {
+        // A close frame holds 123 bytes of reason: the whole message goes
+        // first, as the protocol's error message, and the close sums it up.
+        let error = serde_json::json!(["error", {"type": ErrorType::Unknown as u8, "message": message}]).to_string();
+        socket.queue_text(&[b"{\"id\":1,\"msg\":", error.as_bytes(), b"}"]);
+    }
+    socket.close(PROTOCOL_ERROR, &elide(&reason, 123)).await;
 }
 
 /// The close frame [`close_with_error`] sends.
@@ -488,12 +497,20 @@ async fn close_with_error_on<S: Io>(mut socket: Socket<S>, message: String) -> S
 /// Runs a socket write, giving up once the subscriber has been closed for a
 /// second: a peer that stops reading fills the socket and blocks writes, and
 /// closing it must still end the connection.
+/// The longest one write (at most 64 KiB) may wait for the peer to take
+/// it. A reader that slow (3 KiB/s) is better off catching up anew.
+pub const WRITE_STALL_LIMIT: Duration = Duration::from_secs(20);
+
 async fn until_closed<E: std::fmt::Display>(
     sub: &Subscriber,
     write: impl std::future::Future<Output = Result<(), E>>,
 ) -> Result<(), String> {
     tokio::select! {
         r = write => r.map_err(|e| format!("send failed: {e}")),
+        _ = tokio::time::sleep(WRITE_STALL_LIMIT) => Err(format!(
+            "the peer took nothing of a write for {} s (a silent network path or a stuck reader)",
+            WRITE_STALL_LIMIT.as_secs()
+        )),
         _ = async {
             sub.closed().await;
             // Give what was queued before the close a moment to go out.

@@ -226,8 +226,15 @@ async fn pump(
                         sub.consumed(json.len(), None);
                         continue;
                     }
-                    if let Err(e) = tx.send(text(json.to_string())).await {
-                        return format!("sending: {e}");
+                    match tokio::time::timeout(super::changes::WRITE_STALL_LIMIT, tx.send(text(json.to_string()))).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => return format!("sending: {e}"),
+                        Err(_) => {
+                            return format!(
+                                "the peer took nothing of a write for {} s (a silent network path or a stuck reader)",
+                                super::changes::WRITE_STALL_LIMIT.as_secs()
+                            )
+                        }
                     }
                     // A message counts as consumed once written: the
                     // consumer acks commits only once it has stored them,
@@ -280,6 +287,17 @@ async fn pump(
             }
             _ = &mut stopping => {
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(1), tx.send(super::going_away())).await;
+                // Read what the consumer still sends (statuses in flight) up
+                // to its answering close: unread data would make the kernel
+                // reset the connection, discarding the close frame.
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(2), async {
+                    while let Some(Ok(msg)) = rx.next().await {
+                        if matches!(msg, Message::Close(_)) {
+                            break;
+                        }
+                    }
+                })
+                .await;
                 return "Sluice is shutting down".into();
             }
         }
@@ -293,7 +311,10 @@ async fn ping_peer(alive: &mut bool, tx: &mut SplitSink<WebSocket, Message>) -> 
         return Err("no pong or message since the last ping".into());
     }
     *alive = false;
-    tx.send(Message::Ping(Default::default())).await.map_err(|_| "ping failed".to_string())
+    match tokio::time::timeout(super::changes::WRITE_STALL_LIMIT, tx.send(Message::Ping(Default::default()))).await {
+        Ok(Ok(())) => Ok(()),
+        _ => Err("ping failed".to_string()),
+    }
 }
 
 #[cfg(test)]

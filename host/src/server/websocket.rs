@@ -188,10 +188,25 @@ impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> Socket<S> {
         self.write.extend_from_slice(&reason.as_bytes()[..end]);
     }
 
-    /// Sends a close frame after what is queued.
+    /// Sends a close frame after what is queued, then ends the connection
+    /// cleanly: the write side is shut (a FIN after the close frame) and
+    /// whatever the peer still sends (acks in flight, its answering close)
+    /// is read and dropped until it closes too, for up to two seconds.
+    /// Dropped with unread data, a socket is reset by the kernel, and a
+    /// reset discards what was still unsent: the close frame among it.
     pub async fn close(&mut self, code: u16, reason: &str) {
         self.queue_close(code, reason);
         self.flush_before_end().await;
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), async {
+            let _ = self.io.shutdown().await;
+            let mut discard = [0u8; 4096];
+            while let Ok(n) = self.io.read(&mut discard).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        })
+        .await;
     }
 
     /// Writes what is queued (the answer to a peer's close, say) as the

@@ -66,6 +66,13 @@ pub trait ChangeStream: Send {
     async fn progress(&mut self) -> Result<SourceProgress, SourceError> {
         Ok(SourceProgress::default())
     }
+
+    /// How long since the upstream was last heard from (any byte, a
+    /// keepalive included), for streams that watch their link; `None` for
+    /// those that cannot tell, which count as heard while their calls return.
+    fn silent_for(&self) -> Option<std::time::Duration> {
+        None
+    }
 }
 
 /// What a stream knows of its distance to the upstream (`None`: unknown).

@@ -9,6 +9,8 @@ pub mod postgres;
 mod postgres_state;
 pub mod sqlite;
 pub mod state;
+pub mod watched;
+pub mod writer_lock;
 
 /// Storage failures that mean "stop", not "retry".
 #[derive(Debug, thiserror::Error)]

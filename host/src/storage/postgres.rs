@@ -21,7 +21,7 @@ use tokio::runtime::Handle;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::Client;
 
-use crate::pgconn::{self, PgTarget};
+use crate::pgconn::{self, PgClient, PgTarget};
 
 use super::{
     Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, NewLineage, StateRow, StorageError, StoredRow,
@@ -30,6 +30,9 @@ use super::{
 /// The current schema version of Zero's change DB, and the oldest it reads.
 const SCHEMA_VERSION: i32 = 6;
 const MIN_SAFE_VERSION: i32 = 1;
+
+/// The default of [`PgSettings::call_timeout`].
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Connection settings shared by the writer and the readers.
 #[derive(Debug, Clone)]
@@ -40,6 +43,11 @@ pub struct PgSettings {
     pub shard_num: u32,
     pub task_id: String,
     pub statement_timeout: Duration,
+    /// The longest one call may wait for the change DB's answer before the
+    /// connection is given up as dead (`--change-db-timeout-ms`): a silent
+    /// network path is never noticed by the server-side `statement_timeout`,
+    /// which needs the server to hear from the client.
+    pub call_timeout: Duration,
     /// Zero's change-streamer connects as `zero-change-streamer`.
     pub application_name: String,
     /// `synchronous_commit` for this host's sessions: on (durable at commit,
@@ -54,29 +62,132 @@ impl PgSettings {
         quote_ident(&format!("{}_{}/cdc", self.app_id, self.shard_num))
     }
 
-    async fn connect(&self) -> anyhow::Result<Client> {
+    async fn connect(&self) -> anyhow::Result<PgClient> {
         let mut config = self.target.config.clone();
         config.application_name(&self.application_name);
-        config.connect_timeout(Duration::from_secs(10));
         let client = pgconn::connect(&self.target, &config).await.map_err(|e| {
             // The error itself follows in the chain; the context adds what to change.
             let what = format!("connecting to the change DB {}", self.target.describe());
-            let context = match pgconn::tls_hint(&pgconn::error_text(&e), &self.target) {
+            let password = e.text().contains("password").then(|| self.target.password_hint()).flatten();
+            let context = match pgconn::tls_hint(&e.text(), &self.target).or(password) {
                 Some(hint) => format!("{what} ({hint})"),
                 None => what,
             };
             anyhow::Error::new(e).context(context)
         })?;
-        client
-            .batch_execute(&format!(
-                "SET statement_timeout = {}; SET synchronous_commit = {}",
-                self.statement_timeout.as_millis(),
-                if self.synchronous_commit { "on" } else { "off" }
-            ))
-            .await
-            .context("setting statement_timeout and synchronous_commit")?;
+        let settings = format!(
+            "SET statement_timeout = {}; SET synchronous_commit = {}; {}",
+            self.statement_timeout.as_millis(),
+            if self.synchronous_commit { "on" } else { "off" },
+            server_side_liveness(self.call_timeout),
+        );
+        within(self.call_timeout, "setting up the session", async {
+            client.batch_execute(&settings).await.context("setting up the change DB session")
+        })
+        .await?;
+        // PostgreSQL 14 and later also notice a vanished client during a long
+        // statement; older servers do not know the setting.
+        let check = "SET client_connection_check_interval = 2000";
+        let _ = within(self.call_timeout, "setting up the session", async { Ok(client.batch_execute(check).await) }).await;
         Ok(client)
     }
+
+    /// A writer's connection: as [`PgSettings::connect`], and a transaction
+    /// left idle by a client that vanished is ended by the server (its row
+    /// locks would otherwise block a standby's takeover until TCP noticed,
+    /// two hours with the kernel's defaults).
+    async fn connect_writer(&self) -> anyhow::Result<PgClient> {
+        let client = self.connect().await?;
+        let idle = self.call_timeout * 2;
+        let sql = format!("SET idle_in_transaction_session_timeout = {}", idle.as_millis());
+        within(self.call_timeout, "setting up the session", async {
+            client.batch_execute(&sql).await.context("setting idle_in_transaction_session_timeout")
+        })
+        .await?;
+        Ok(client)
+    }
+}
+
+/// Session settings with which the server itself notices a client whose
+/// machine died (TCP keepalive and `tcp_user_timeout` on the server's end),
+/// and gives up waiting for a lock before the client gives up waiting for
+/// the server, so the error says who holds it.
+fn server_side_liveness(call_timeout: Duration) -> String {
+    let lock_wait = call_timeout.saturating_sub(Duration::from_secs(1)).max(Duration::from_millis(500));
+    format!(
+        "SET lock_timeout = {}; SET tcp_keepalives_idle = {}; SET tcp_keepalives_interval = {}; \
+         SET tcp_keepalives_count = {}; SET tcp_user_timeout = {}",
+        lock_wait.as_millis(),
+        pgconn::conninfo::KEEPALIVES_IDLE.as_secs(),
+        pgconn::conninfo::KEEPALIVES_INTERVAL.as_secs(),
+        pgconn::conninfo::KEEPALIVES_RETRIES,
+        pgconn::conninfo::TCP_USER_TIMEOUT.as_millis(),
+    )
+}
+
+/// The change DB did not answer a call within its deadline.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the change DB did not answer within {} s while {what}; the connection was dropped (a silent network path or a stuck server)",
+    .limit.as_secs_f64()
+)]
+pub struct NoAnswer {
+    pub limit: Duration,
+    pub what: String,
+}
+
+/// `work`, or [`NoAnswer`] once `limit` has passed.
+async fn within<T>(
+    limit: Duration,
+    what: &str,
+    work: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(limit, work).await {
+        Ok(result) => result,
+        Err(_) => Err(NoAnswer { limit, what: what.to_string() }.into()),
+    }
+}
+
+/// `e`, classified; when it is a lock wait that timed out, with who holds
+/// the `replicationState` lock and since when, so an operator can tell a
+/// live owner from the session of a host that vanished.
+async fn lock_wait_error(c: &Client, s: &str, e: tokio_postgres::Error, what: &str) -> anyhow::Error {
+    if e.code() != Some(&SqlState::LOCK_NOT_AVAILABLE) {
+        return classify(e, what);
+    }
+    let holders = c
+        .query(
+            "SELECT a.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), 'local socket'), \
+                    coalesce(a.state, '?'), extract(epoch FROM now() - a.state_change)::int8 \
+             FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() \
+               AND l.relation = $1::text::regclass",
+            &[&format!(r#"{s}."replicationState""#)],
+        )
+        .await;
+    let who = match holders {
+        Ok(rows) if !rows.is_empty() => rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "pid {} ({} from {}, {} for {} s)",
+                    r.get::<_, i32>(0),
+                    r.get::<_, String>(1),
+                    r.get::<_, String>(2),
+                    r.get::<_, String>(3),
+                    r.get::<_, Option<i64>>(4).unwrap_or(0)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+        Ok(_) => "a session that has just let go of it".into(),
+        Err(_) => "a session Sluice could not look up".into(),
+    };
+    anyhow::Error::new(e).context(format!(
+        "{what}: the replicationState row is held by {who}; a live owner lets go at its next commit, and the server \
+         ends the session of an owner whose client vanished once it has been idle in its transaction for \
+         idle_in_transaction_session_timeout (twice --change-db-timeout-ms)"
+    ))
 }
 
 pub fn quote_ident(s: &str) -> String {
@@ -97,7 +208,7 @@ pub struct PostgresChangeLog {
     settings: PgSettings,
     schema: String,
     rt: Handle,
-    client: Option<Client>,
+    client: Option<PgClient>,
     /// The prepared batch COPY, for the current connection.
     insert: Option<tokio_postgres::Statement>,
     /// The owner read at the start of the open storage transaction.
@@ -207,9 +318,10 @@ impl PostgresChangeLog {
             );
             let settings = self.settings.clone();
             self.insert = None;
-            self.client = Some(self.rt.block_on(settings.connect())?);
+            self.client = None;
+            self.client = Some(self.rt.block_on(settings.connect_writer())?);
         }
-        Ok(self.client.as_ref().expect("connected above"))
+        Ok(self.client.as_deref().expect("connected above"))
     }
 
     /// Applies the rows to the table state (see the SQLite log's
@@ -219,7 +331,9 @@ impl PostgresChangeLog {
             return Ok(());
         }
         let s = self.schema.clone();
-        let mut plan = super::postgres_state::Plan::new(&s, &mut self.relations);
+        // The plan borrows the relations while the call borrows the log.
+        let mut relations = std::mem::take(&mut self.relations);
+        let mut plan = super::postgres_state::Plan::new(&s, &mut relations);
         let mut failed = None;
         for row in rows {
             if let Err(e) = super::state::apply(&mut plan, (row.watermark, row.pos), row.tag, row.change) {
@@ -227,20 +341,22 @@ impl PostgresChangeLog {
                 break;
             }
         }
-        let rt = self.rt.clone();
-        let client = self.client.as_ref().filter(|c| !c.is_closed());
-        let client = client.ok_or_else(|| {
-            anyhow::anyhow!(
-                "the change DB connection was lost inside a storage transaction (the server rolled it back)"
-            )
-        })?;
         match failed {
-            None => rt.block_on(plan.run(client)).context("keeping the table state"),
+            None => {
+                let result = self.run(async |c| plan.run(c).await.context("keeping the table state"));
+                self.relations = relations;
+                result
+            }
             Some(e) => {
+                drop(plan);
+                self.relations = relations;
                 tracing::error!("{e:#}; the table state is no longer kept for this lineage");
                 self.keep_state = false;
-                rt.block_on(client.execute(&format!(r#"DELETE FROM {s}."stateConfig""#), &[]))
-                    .map_err(|e| classify(e, "turning the table state off"))?;
+                self.run(async |c| {
+                    c.execute(&format!(r#"DELETE FROM {s}."stateConfig""#), &[])
+                        .await
+                        .map_err(|e| classify(e, "turning the table state off"))
+                })?;
                 Ok(())
             }
         }
@@ -251,10 +367,20 @@ impl PostgresChangeLog {
         self.client.as_ref().is_some_and(|c| !c.is_closed())
     }
 
+    /// One call on the writer's connection, within the call deadline. A
+    /// call that passes it drops the connection: inside a storage
+    /// transaction the next call fails (the storer rolls back and the loop
+    /// retries from what is durable), and the next `begin` reconnects.
     fn run<T>(&mut self, f: impl AsyncFnOnce(&Client) -> anyhow::Result<T>) -> anyhow::Result<T> {
         let rt = self.rt.clone();
+        let limit = self.settings.call_timeout;
         let client = self.client()?;
-        rt.block_on(f(client))
+        let result = rt.block_on(within(limit, "waiting for a storage call", f(client)));
+        if result.as_ref().is_err_and(|e| e.downcast_ref::<NoAnswer>().is_some()) {
+            self.client = None;
+            self.insert = None;
+        }
+        result
     }
 
     fn setup(&mut self) -> anyhow::Result<()> {
@@ -427,13 +553,16 @@ impl ChangeLog for PostgresChangeLog {
         let s = self.schema.clone();
         let (task, addr) = (task_id.to_string(), address.to_string());
         self.run(async |c| {
-            c.execute(
-                &format!(r#"UPDATE {s}."replicationState" SET "owner" = $1, "ownerAddress" = $2"#),
-                &[&task, &addr],
-            )
-            .await
-            .map_err(|e| classify(e, "taking ownership of the change DB"))?;
-            Ok(())
+            let taken = c
+                .execute(
+                    &format!(r#"UPDATE {s}."replicationState" SET "owner" = $1, "ownerAddress" = $2"#),
+                    &[&task, &addr],
+                )
+                .await;
+            match taken {
+                Ok(_) => Ok(()),
+                Err(e) => Err(lock_wait_error(c, &s, e, "taking ownership of the change DB").await),
+            }
         })
     }
 
@@ -446,10 +575,11 @@ impl ChangeLog for PostgresChangeLog {
             c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED").await.map_err(|e| classify(e, "BEGIN"))?;
             // Lock the row first: a takeover now waits for this transaction.
             // No row yet: a new change DB, whose lineage this transaction starts.
-            let row = c
-                .query_opt(&format!(r#"SELECT "owner" FROM {s}."replicationState" FOR UPDATE"#), &[])
-                .await
-                .map_err(|e| classify(e, "locking replicationState"))?;
+            let row = match c.query_opt(&format!(r#"SELECT "owner" FROM {s}."replicationState" FOR UPDATE"#), &[]).await
+            {
+                Ok(row) => row,
+                Err(e) => return Err(lock_wait_error(c, &s, e, "locking replicationState").await),
+            };
             let kept = state_kept(c, &s).await?;
             Ok((row.and_then(|r| r.get::<_, Option<String>>(0)), kept))
         });
@@ -559,9 +689,8 @@ impl ChangeLog for PostgresChangeLog {
         self.relations.clear();
         self.owner_at_begin = None;
         self.in_transaction = false;
-        if let Some(c) = self.client.as_ref().filter(|c| !c.is_closed()) {
-            let rt = self.rt.clone();
-            rt.block_on(c.batch_execute("ROLLBACK")).map_err(|e| classify(e, "ROLLBACK"))?;
+        if self.client.as_ref().is_some_and(|c| !c.is_closed()) {
+            self.run(async |c| c.batch_execute("ROLLBACK").await.map_err(|e| classify(e, "ROLLBACK")))?;
         }
         Ok(())
     }
@@ -706,10 +835,12 @@ impl PostgresReader {
 struct PgSnapshot {
     /// This snapshot's place under the cap, freed when it is dropped.
     _permit: tokio::sync::OwnedSemaphorePermit,
-    client: Client,
+    client: PgClient,
     rt: Handle,
     schema: String,
     last_watermark: String,
+    /// The deadline of each read (see [`PgSettings::call_timeout`]).
+    call_timeout: Duration,
     /// Where the open catch-up cursor stands: `None` before it is declared,
     /// then the last row it returned (or the cursor it started after).
     cursor_at: Option<Option<(String, i64)>>,
@@ -736,7 +867,7 @@ impl LogSnapshot for PgSnapshot {
             Some(_) => None,
         };
         let c = &self.client;
-        let rows = self.rt.block_on(async {
+        let rows = self.rt.block_on(within(self.call_timeout, "reading the change log", async {
             if let Some(close_first) = declare {
                 if close_first {
                     c.batch_execute("CLOSE catchup").await.map_err(|e| classify(e, "closing the catch-up cursor"))?;
@@ -769,20 +900,21 @@ impl LogSnapshot for PgSnapshot {
                     })
                     .collect::<Vec<_>>(),
             )
-        })?;
+        }))?;
         self.cursor_at = Some(rows.last().map(|r| (r.watermark.clone(), r.pos)).or(after));
         Ok(rows)
     }
 
     fn state_kept(&mut self) -> anyhow::Result<bool> {
-        self.rt.block_on(state_kept(&self.client, &self.schema))
+        self.rt.block_on(within(self.call_timeout, "reading the table state", state_kept(&self.client, &self.schema)))
     }
 
     fn state_schema(&mut self) -> anyhow::Result<Vec<String>> {
         let s = &self.schema;
         let sql = format!(r#"SELECT change FROM {s}."stateSchema" ORDER BY watermark, pos"#);
-        let rows =
-            self.rt.block_on(self.client.query(&sql, &[])).map_err(|e| classify(e, "reading the table state"))?;
+        let rows = self.rt.block_on(within(self.call_timeout, "reading the table state", async {
+            self.client.query(&sql, &[]).await.map_err(|e| classify(e, "reading the table state"))
+        }))?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
@@ -796,10 +928,9 @@ impl LogSnapshot for PgSnapshot {
                WHERE (r."tableKey" COLLATE "C", r."rowKey" COLLATE "C") > ($1 COLLATE "C", $2 COLLATE "C")
                ORDER BY r."tableKey" COLLATE "C", r."rowKey" COLLATE "C" LIMIT $3"#
         );
-        let rows = self
-            .rt
-            .block_on(self.client.query(&sql, &[&table, &key, &(limit as i64)]))
-            .map_err(|e| classify(e, "reading the table state"))?;
+        let rows = self.rt.block_on(within(self.call_timeout, "reading the table state", async {
+            self.client.query(&sql, &[&table, &key, &(limit as i64)]).await.map_err(|e| classify(e, "reading the table state"))
+        }))?;
         Ok(rows
             .iter()
             .map(|r| StateRow { table: r.get(0), key: r.get(1), row: r.get(2), relation: r.get(3) })
@@ -830,7 +961,8 @@ impl LogReader for PostgresReader {
     fn size_bytes(&self) -> anyhow::Result<Option<u64>> {
         let settings = self.settings.clone();
         let schema = format!("{}_{}/cdc", settings.app_id, settings.shard_num);
-        self.rt.block_on(async {
+        let limit = settings.call_timeout * 2;
+        self.rt.block_on(within(limit, "measuring the change log", async {
             let c = settings.connect().await?;
             let size: i64 = c
                 .query_one(
@@ -841,7 +973,7 @@ impl LogReader for PostgresReader {
                 .await?
                 .get(0);
             Ok(Some(size as u64))
-        })
+        }))
     }
 
     fn snapshot(&self) -> anyhow::Result<Box<dyn LogSnapshot>> {
@@ -858,14 +990,19 @@ impl LogReader for PostgresReader {
                     p.map_err(|_| anyhow::anyhow!("the change DB reader is closed"))?
                 }
             };
-            let c = settings.connect().await?;
-            c.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await?;
-            // The first query pins the snapshot.
-            let row = c
-                .query_one(&format!(r#"SELECT "lastWatermark" FROM {s}."replicationState""#), &[])
-                .await
-                .map_err(|e| classify(e, "pinning the catch-up snapshot"))?;
-            anyhow::Ok((permit, c, row.get::<_, String>(0)))
+            // Waiting for a place is not waiting on the network: the deadline
+            // starts once there is one.
+            within(settings.call_timeout * 2, "opening a catch-up snapshot", async {
+                let c = settings.connect().await?;
+                c.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await?;
+                // The first query pins the snapshot.
+                let row = c
+                    .query_one(&format!(r#"SELECT "lastWatermark" FROM {s}."replicationState""#), &[])
+                    .await
+                    .map_err(|e| classify(e, "pinning the catch-up snapshot"))?;
+                anyhow::Ok((permit, c, row.get::<_, String>(0)))
+            })
+            .await
         })?;
         Ok(Box::new(PgSnapshot {
             _permit: permit,
@@ -873,6 +1010,7 @@ impl LogReader for PostgresReader {
             rt: self.rt.clone(),
             schema: self.schema.clone(),
             last_watermark,
+            call_timeout: self.settings.call_timeout,
             cursor_at: None,
         }))
     }
@@ -880,10 +1018,10 @@ impl LogReader for PostgresReader {
     fn bounds(&self) -> anyhow::Result<Bounds> {
         let s = self.schema.clone();
         let settings = self.settings.clone();
-        self.rt.block_on(async {
+        self.rt.block_on(within(settings.call_timeout * 2, "reading the change log's bounds", async {
             let c = settings.connect().await?;
             bounds(&c, &s).await
-        })
+        }))
     }
 
     /// Zero's purgeRecordsBefore: fail fast if a purge lock holds the first
@@ -894,7 +1032,9 @@ impl LogReader for PostgresReader {
         let settings = self.settings.clone();
         let floor = floor.to_string();
         let rv = replica_version.to_string();
-        self.rt.block_on(async {
+        // A purge may run as long as a statement may.
+        let limit = settings.statement_timeout + settings.call_timeout * 2;
+        self.rt.block_on(within(limit, "purging the change log", async {
             let c = settings.connect().await?;
             c.batch_execute("BEGIN").await?;
             let result = async {
@@ -941,7 +1081,7 @@ impl LogReader for PostgresReader {
                     Err(e)
                 }
             }
-        })
+        }))
     }
 
     /// By transaction count only: Zero's schema records no time per row.
@@ -949,7 +1089,8 @@ impl LogReader for PostgresReader {
         let Some(n) = transactions.filter(|n| *n > 0) else { return Ok(None) };
         let s = self.schema.clone();
         let settings = self.settings.clone();
-        self.rt.block_on(async {
+        let limit = settings.statement_timeout + settings.call_timeout * 2;
+        self.rt.block_on(within(limit, "reading the retention window", async {
             let c = settings.connect().await?;
             let row = c
                 .query_opt(
@@ -962,7 +1103,7 @@ impl LogReader for PostgresReader {
                 .await
                 .map_err(|e| classify(e, "reading the retention window"))?;
             Ok(Some(row.map(|r| r.get::<_, String>(0)).unwrap_or_default()))
-        })
+        }))
     }
 }
 
@@ -970,12 +1111,19 @@ impl LogReader for PostgresReader {
 /// starting up or shutting down, too many connections), as opposed to one the
 /// server refused for its configuration (authentication, a missing database).
 fn is_unreachable(e: &anyhow::Error) -> bool {
+    let silent = |c: &(dyn std::error::Error + 'static)| {
+        c.downcast_ref::<NoAnswer>().is_some()
+            || matches!(c.downcast_ref::<pgconn::ConnectError>(), Some(pgconn::ConnectError::TimedOut(_)))
+    };
+    if e.chain().any(silent) {
+        return true;
+    }
     let Some(pg) = e.chain().find_map(|c| c.downcast_ref::<tokio_postgres::Error>()) else {
         return false;
     };
     match pg.as_db_error() {
         // A certificate that does not verify will not verify next time either.
-        None if pgconn::is_tls_refusal(&pgconn::error_text(pg)) => false,
+        None if pgconn::is_tls_refusal(&pgconn::error_text(pg)) || pgconn::is_config_error(pg) => false,
         None => true, // I/O: refused, reset, closed
         Some(db) => {
             let code = db.code().code();

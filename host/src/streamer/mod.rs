@@ -71,6 +71,9 @@ enum PassEnd {
     Restart,
     /// Back off, then reopen from the durable watermark.
     Retry(String),
+    /// As `Retry`, for a failure of the change log: the upstream is not
+    /// to blame for the time it waits.
+    RetryStorage(String),
     /// Stop for good.
     Fatal(String),
     /// Stop cleanly: another host owns the log, or its tables are gone.
@@ -82,7 +85,7 @@ enum PassEnd {
 fn storage_end(e: &anyhow::Error) -> PassEnd {
     match crate::storage::StorageError::find(e) {
         Some(se) => PassEnd::Stop(se.to_string()),
-        None => PassEnd::Retry(format!("change log: {e:#}")),
+        None => PassEnd::RetryStorage(format!("change log: {e:#}")),
     }
 }
 
@@ -131,7 +134,7 @@ impl Streamer {
         Streamer {
             source,
             hub,
-            log: Some(log),
+            log: Some(Box::new(crate::storage::watched::WatchedLog::new(log, status.clone()))),
             options,
             status,
             acker: UpstreamAcker::default(),
@@ -177,6 +180,7 @@ impl Streamer {
             if progressed {
                 backoff.reset();
             }
+            let storage_failed = matches!(end, PassEnd::RetryStorage(_));
             match end {
                 PassEnd::Shutdown => {
                     self.status.update(|s| s.source = SourceState::Stopped { error: None });
@@ -193,7 +197,11 @@ impl Streamer {
                     self.status.update(|s| s.source = SourceState::Stopped { error: Some(msg.clone()) });
                     anyhow::bail!(msg);
                 }
-                PassEnd::Retry(msg) => {
+                PassEnd::Retry(msg) | PassEnd::RetryStorage(msg) => {
+                    if storage_failed {
+                        // Not listening to the upstream while the change log recovers.
+                        self.status.source_heard(None);
+                    }
                     let delay = backoff.next_delay();
                     let line = format!("{msg}; retrying in {} ms", delay.as_millis());
                     if delay < Duration::from_secs(1) {
@@ -255,6 +263,8 @@ impl Streamer {
             Some(s) if !self.open_fresh && !reset_requested => Some(s.last_watermark.clone()),
             _ => None,
         };
+        // Opening is listening: an upstream that does not answer shows as a stall.
+        self.status.source_heard(None);
         let stream = match (&resume, &state) {
             (Some(watermark), Some(s)) => {
                 self.source.open(Some(Resume { watermark, replica_version: &s.replica_version })).await?
@@ -417,8 +427,15 @@ impl Streamer {
                     _ => end,
                 }
             }
-            // The storer still holds the log and may never give it back.
-            Err(e) => return (PassEnd::Fatal(format!("{e:#}")), state.stored_any),
+            // The storer still holds the log and may never give it back. A
+            // wedge the loop noticed is the cause; the drain failed because of it.
+            Err(e) => {
+                let reason = match end {
+                    PassEnd::Fatal(cause) => format!("{cause} ({e:#})"),
+                    _ => format!("{e:#}"),
+                };
+                return (PassEnd::Fatal(reason), state.stored_any);
+            }
         };
         while let Ok(w) = durable_rx.try_recv() {
             // The stream is gone: these acks can no longer be sent.
@@ -466,10 +483,11 @@ impl Streamer {
             let batch = tokio::select! {
                 biased;
                 _ = shutdown.changed() => return PassEnd::Shutdown,
-                _ = storer.finished() => return PassEnd::Retry("the change log writer stopped".into()),
+                _ = storer.finished() => return PassEnd::RetryStorage("the change log writer stopped".into()),
                 batch = stream.next_batch(self.options.batch_max) => batch,
             };
             self.status.count(Stage::Source, pulled);
+            self.status.source_heard(stream.silent_for());
             let batch = match batch {
                 Ok(b) => b,
                 Err(e) => return e.into(),
@@ -515,9 +533,11 @@ impl Streamer {
                     let targets = self.hub.broadcast_targets();
                     tokio::select! {
                         _ = forwarder::broadcast(targets, self.options.consensus_proportion) => {}
-                        _ = storer.finished() => return PassEnd::Retry("the change log writer stopped".into()),
+                        _ = storer.finished() => return PassEnd::RetryStorage("the change log writer stopped".into()),
                         _ = shutdown.changed() => return PassEnd::Shutdown,
                     }
+                    // Waiting for subscribers is not waiting for the upstream.
+                    self.status.source_heard(stream.silent_for());
                     started = std::time::Instant::now();
                 }
             }
@@ -525,10 +545,13 @@ impl Streamer {
             if storer.queued_bytes() > self.options.storer.queue_budget {
                 // Back-pressure, with Zero's watchdog for a wedged change log.
                 let mut seen = storer.progress();
+                let mut listening = tokio::time::interval(Duration::from_secs(1));
                 loop {
                     tokio::select! {
                         _ = storer.ready_for_more() => break,
-                        _ = storer.finished() => return PassEnd::Retry("the change log writer stopped".into()),
+                        // Held back by storage, not by the upstream.
+                        _ = listening.tick() => self.status.source_heard(None),
+                        _ = storer.finished() => return PassEnd::RetryStorage("the change log writer stopped".into()),
                         _ = shutdown.changed() => return PassEnd::Shutdown,
                         _ = tokio::time::sleep(self.options.wedge_timeout) => {
                             if storer.progress() == seen {

@@ -42,6 +42,11 @@ pub struct PostgresSourceConfig {
     /// replicate them ([`zero_shard`]).
     #[serde(default)]
     pub zero: Option<zero_shard::ZeroShard>,
+    /// Milliseconds of silence on the replication link (no data, and no
+    /// answer to the status requests sent after 2 s of it) before the link
+    /// is given up as dead and reopened from the durable position.
+    #[serde(default)]
+    pub silence_timeout_ms: Option<u64>,
 }
 
 fn default_slot() -> String {
@@ -89,6 +94,14 @@ impl PostgresSourceConfig {
         Ok(config)
     }
 
+    /// See `silence_timeout_ms` (at least 3 s: the first request for an
+    /// answer goes out after 2 s).
+    pub fn silence_limit(&self) -> std::time::Duration {
+        self.silence_timeout_ms
+            .map(|ms| std::time::Duration::from_millis(ms.max(3000)))
+            .unwrap_or(stream::SILENCE_LIMIT)
+    }
+
     /// The publications the slot streams.
     pub fn publication_names(&self) -> Vec<String> {
         let mut p =
@@ -103,6 +116,24 @@ impl PostgresSourceConfig {
     pub fn default_publication(&self) -> String {
         format!("_sluice_public_{}", self.slot)
     }
+}
+
+/// The longest a step of reopening the stream may take (each connection is
+/// bounded by its own `connect_timeout`; this bounds what follows on a link
+/// that went silent after the login). Creating a slot and copying a snapshot
+/// are not bounded: they wait for the upstream's own transactions.
+const OPEN_STEP_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+async fn bounded<T>(
+    what: &str,
+    step: impl std::future::Future<Output = Result<T, SourceError>>,
+) -> Result<T, SourceError> {
+    tokio::time::timeout(OPEN_STEP_LIMIT, step).await.unwrap_or_else(|_| {
+        Err(SourceError::Transient(format!(
+            "{what}: no answer within {} s (a silent network path or a stuck server)",
+            OPEN_STEP_LIMIT.as_secs()
+        )))
+    })
 }
 
 pub struct PostgresSource {
@@ -127,7 +158,7 @@ impl ChangeSource for PostgresSource {
     }
 
     async fn open(&mut self, resume: Option<Resume<'_>>) -> Result<Box<dyn ChangeStream>, SourceError> {
-        let upstream = setup::Upstream::connect(&self.pg, &self.config).await?;
+        let upstream = bounded("connecting to the upstream", setup::Upstream::connect(&self.pg, &self.config)).await?;
         if !upstream.ddl_detection && !self.warned_degraded {
             self.warned_degraded = true;
             tracing::warn!(
@@ -136,14 +167,16 @@ impl ChangeSource for PostgresSource {
             );
         }
         if let Some(watermark) = resume.map(|r| r.watermark) {
-            match upstream.existing_slot().await? {
+            match bounded("reading the replication slot", upstream.existing_slot()).await? {
                 // The snapshot never made it into the change log: take a new one.
                 setup::SlotState::Usable { replica_version } if replica_version == watermark => {}
                 setup::SlotState::Usable { replica_version } => {
                     let start = stream::resume_lsn(watermark).ok_or_else(|| {
                         SourceError::Fatal(format!("resume watermark {watermark} is not a Postgres position"))
                     })?;
-                    return stream::ReplicationStream::start(upstream, &self.pg, replica_version, start).await;
+                    let silence = self.config.silence_limit();
+                    let stream = stream::ReplicationStream::start(upstream, &self.pg, replica_version, start, silence);
+                    return bounded("starting replication", stream).await;
                 }
                 setup::SlotState::Lost { replica_version, reason } => {
                     return Ok(Box::new(stream::LostStream::new(replica_version, reason)));

@@ -35,8 +35,9 @@ pub fn session_config(pg: &PgTarget) -> tokio_postgres::Config {
 pub fn pg_error(what: &str, e: tokio_postgres::Error) -> SourceError {
     let text = format!("{what}: {}", pgconn::error_text(&e));
     let code = e.code().map(|c| c.code().to_string()).unwrap_or_default();
-    // Wrong credentials, no such database, no privilege: retrying will not help.
-    if code.starts_with("28") || code == "3D000" || code == "42501" {
+    // Wrong credentials, no such database, no privilege, no password to
+    // send: retrying will not help.
+    if code.starts_with("28") || code == "3D000" || code == "42501" || pgconn::is_config_error(&e) {
         SourceError::Fatal(text)
     } else {
         SourceError::Transient(text)
@@ -45,21 +46,26 @@ pub fn pg_error(what: &str, e: tokio_postgres::Error) -> SourceError {
 
 /// A failure to connect: as [`pg_error`], with what to change for TLS
 /// failures, and fatal where the next attempt would fail alike.
-pub fn connect_error(pg: &PgTarget, what: &str, e: tokio_postgres::Error) -> SourceError {
-    match pg_error(&format!("{what} {}", pg.describe()), e) {
+pub fn connect_error(pg: &PgTarget, what: &str, e: pgconn::ConnectError) -> SourceError {
+    let what = format!("{what} {}", pg.describe());
+    let error = match e {
+        pgconn::ConnectError::Postgres(e) => pg_error(&what, e),
+        timed_out => SourceError::Transient(format!("{what}: {timed_out}")),
+    };
+    match error {
         SourceError::Transient(text) if pgconn::is_tls_refusal(&text) => SourceError::Fatal(pgconn::explain(text, pg)),
         SourceError::Transient(text) => SourceError::Transient(pgconn::explain(text, pg)),
         SourceError::Fatal(text) => SourceError::Fatal(pgconn::explain(text, pg)),
     }
 }
 
-pub async fn connect_client(pg: &PgTarget, what: &str) -> Result<tokio_postgres::Client, SourceError> {
+pub async fn connect_client(pg: &PgTarget, what: &str) -> Result<pgconn::PgClient, SourceError> {
     pgconn::connect(pg, &session_config(pg)).await.map_err(|e| connect_error(pg, what, e))
 }
 
 /// A checked upstream with Sluice's objects in place.
 pub struct Upstream {
-    pub client: tokio_postgres::Client,
+    pub client: pgconn::PgClient,
     pub slot: String,
     pub publications: Vec<String>,
     /// The event trigger is installed: schema changes arrive as messages.

@@ -38,7 +38,7 @@ pub struct SnapshotStream {
     replica_version: String,
     watermark: String,
     snapshot_name: String,
-    client: tokio_postgres::Client,
+    client: crate::pgconn::PgClient,
     /// Kept for START_REPLICATION once the copy is done.
     connection: Option<ReplConnection>,
     upstream: Option<Upstream>,
@@ -49,6 +49,8 @@ pub struct SnapshotStream {
     schema: Schema,
     cursor_open: bool,
     batch_rows: u32,
+    /// The stream's `silence_timeout_ms`, for the replication that follows.
+    silence_limit: std::time::Duration,
     phase: Phase,
 }
 
@@ -72,6 +74,7 @@ impl SnapshotStream {
             schema: Schema::default(),
             cursor_open: false,
             batch_rows: config.snapshot_batch_rows,
+            silence_limit: config.silence_limit(),
             phase: Phase::Start,
         })
     }
@@ -158,6 +161,7 @@ impl SnapshotStream {
             self.replica_version.clone(),
             start,
             Some(self.schema.clone()),
+            self.silence_limit,
         )
         .await?;
         self.phase = Phase::Streaming(stream);
@@ -214,6 +218,14 @@ impl ChangeStream for SnapshotStream {
         match &mut self.phase {
             Phase::Streaming(stream) => stream.progress().await,
             _ => Ok(SourceProgress { behind_bytes: None, snapshot_rows_estimate: self.rows_estimate }),
+        }
+    }
+
+    fn silent_for(&self) -> Option<std::time::Duration> {
+        match &self.phase {
+            Phase::Streaming(stream) => stream.silent_for(),
+            // Copying: each batch is a query that returns or fails.
+            _ => None,
         }
     }
 }

@@ -34,6 +34,33 @@ const BATCH_MESSAGES: usize = 1024;
 /// Batches that may wait in the channel.
 const CHANNEL_BATCHES: usize = 16;
 const STATUS_INTERVAL: Duration = Duration::from_secs(10);
+/// Silence after which the server is asked to answer at once (a status
+/// update with the reply flag set), once a second until it does. A server
+/// that Sluice keeps up to date with status updates sends no keepalives of
+/// its own, so without asking an idle link and a dead one look alike.
+const PROBE_AFTER: Duration = Duration::from_secs(2);
+/// Silence after which the link is given up as dead and reopened, unless
+/// the source config says otherwise (`silence_timeout_ms`).
+pub const SILENCE_LIMIT: Duration = Duration::from_secs(10);
+
+/// When the server was last heard from, shared between the task that reads
+/// the link and the stream's owner (`silent_for`).
+#[derive(Default)]
+struct LastHeard(std::sync::atomic::AtomicU64);
+
+impl LastHeard {
+    fn now(&self) {
+        self.0.store(epoch_ms(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn silent_for(&self) -> Duration {
+        Duration::from_millis(epoch_ms().saturating_sub(self.0.load(std::sync::atomic::Ordering::Relaxed)))
+    }
+}
+
+fn epoch_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
 
 /// The position a stream continues from after `watermark`.
 pub fn resume_lsn(watermark: &str) -> Option<u64> {
@@ -61,6 +88,7 @@ pub struct ReplicationStream {
     rx: mpsc::Receiver<Vec<Message>>,
     acks: watch::Sender<u64>,
     failure: Arc<Mutex<Option<SourceError>>>,
+    heard: Arc<LastHeard>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -77,11 +105,21 @@ impl ReplicationStream {
         pg: &crate::pgconn::PgTarget,
         replica_version: String,
         start: u64,
+        silence_limit: Duration,
     ) -> Result<Box<dyn ChangeStream>, SourceError> {
-        let connection = ReplConnection::connect(pg, &session_config(pg), APPLICATION_NAME)
-            .await
-            .map_err(|e| SourceError::Transient(format!("opening the replication connection: {e}")))?;
-        Self::start_on(connection, upstream, replica_version, start, None).await
+        let connection = ReplConnection::connect(pg, &session_config(pg), APPLICATION_NAME).await.map_err(|e| {
+            let text = crate::pgconn::explain(format!("opening the replication connection: {e}"), pg);
+            // Credentials the server refuses, or none to send: the next
+            // attempt would fail alike.
+            let refused = e.code().is_some_and(|c| c.starts_with("28"))
+                || matches!(&e, WireError::Protocol(m) if m.contains("password"));
+            if refused {
+                SourceError::Fatal(text)
+            } else {
+                SourceError::Transient(text)
+            }
+        })?;
+        Self::start_on(connection, upstream, replica_version, start, None, silence_limit).await
     }
 
     /// Streams from `start` on an open replication connection. `snapshot_schema`
@@ -94,6 +132,7 @@ impl ReplicationStream {
         replica_version: String,
         start: u64,
         snapshot_schema: Option<Schema>,
+        silence_limit: Duration,
     ) -> Result<Box<dyn ChangeStream>, SourceError> {
         let publications = upstream.publications.iter().map(|p| format!("\"{p}\"")).collect::<Vec<_>>().join(",");
         let sql = format!(
@@ -110,10 +149,6 @@ impl ReplicationStream {
                 _ => Err(SourceError::Transient(text)),
             };
         }
-        // Zero's inbound watchdog: twice the server's keepalive timeout with
-        // nothing received means the connection is dead, even if TCP has not
-        // noticed.
-        let silence_limit = wal_sender_timeout(&upstream.client).await.map(|t| t * 2);
         // Degraded mode needs the schema as of `start`. The catalog now may be
         // later than that (a DDL committed after the snapshot but before this
         // point would match its own relation message and go unnoticed), so
@@ -130,9 +165,12 @@ impl ReplicationStream {
         let (tx, rx) = mpsc::channel(CHANNEL_BATCHES);
         let (acks, acked) = watch::channel(start.saturating_sub(1));
         let failure = Arc::new(Mutex::new(None));
+        let heard = Arc::new(LastHeard::default());
+        heard.now();
         let decoder = Decoder::new(upstream, baseline);
-        let task = tokio::spawn(run(connection, decoder, tx, acked, start, silence_limit, failure.clone()));
-        Ok(Box::new(ReplicationStream { replica_version, rx, acks, failure, task }))
+        let link = Link { limit: silence_limit, heard: heard.clone() };
+        let task = tokio::spawn(run(connection, decoder, tx, acked, start, link, failure.clone()));
+        Ok(Box::new(ReplicationStream { replica_version, rx, acks, failure, heard, task }))
     }
 }
 
@@ -173,6 +211,10 @@ impl ChangeStream for ReplicationStream {
         Ok(batch)
     }
 
+    fn silent_for(&self) -> Option<Duration> {
+        Some(self.heard.silent_for())
+    }
+
     async fn ack(&mut self, watermark: &str) -> Result<(), SourceError> {
         if let Some(lsn) = ack_lsn(watermark) {
             self.acks.send_if_modified(|v| {
@@ -187,6 +229,13 @@ impl ChangeStream for ReplicationStream {
     }
 }
 
+/// How the task watches its link: the silence it tolerates, and where it
+/// records hearing from the server.
+struct Link {
+    limit: Duration,
+    heard: Arc<LastHeard>,
+}
+
 /// The task that owns the replication connection.
 async fn run(
     mut conn: ReplConnection,
@@ -194,23 +243,17 @@ async fn run(
     tx: mpsc::Sender<Vec<Message>>,
     mut acked: watch::Receiver<u64>,
     start: u64,
-    silence_limit: Option<Duration>,
+    link: Link,
     failure: Arc<Mutex<Option<SourceError>>>,
 ) {
-    let mut feedback = Feedback { received: start, flushed: *acked.borrow() };
+    let mut feedback = Feedback { received: start, flushed: *acked.borrow(), limit: link.limit };
     let result: Result<(), SourceError> = async {
         let mut ticker = tokio::time::interval(STATUS_INTERVAL);
+        let mut probe = tokio::time::interval(Duration::from_secs(1));
+        probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut out: Vec<Message> = Vec::new();
         let mut heard = Instant::now();
         loop {
-            if let Some(limit) = silence_limit {
-                if heard.elapsed() > limit {
-                    return Err(SourceError::Transient(format!(
-                        "replication stream: nothing received from the server for {} s",
-                        limit.as_secs()
-                    )));
-                }
-            }
             // Decode everything already read.
             while let Some(frame) = conn.try_frame().map_err(lost)? {
                 match frame.tag {
@@ -223,7 +266,7 @@ async fn run(
                     break;
                 }
             }
-            conn.flush().await.map_err(lost)?;
+            feedback.flush(&mut conn).await?;
             if !out.is_empty() {
                 // Wait for room, still answering the server meanwhile.
                 let permit = loop {
@@ -240,12 +283,30 @@ async fn run(
                     Ok(p) => p.send(std::mem::take(&mut out)),
                     Err(_) => return Ok(()),
                 }
+                // Nothing was read while the loop held back: silence is
+                // counted from when reading resumes.
+                heard = Instant::now();
+                link.heard.now();
                 continue;
             }
             tokio::select! {
                 read = conn.fill() => {
                     read.map_err(lost)?;
                     heard = Instant::now();
+                    link.heard.now();
+                }
+                _ = probe.tick() => {
+                    let silent = heard.elapsed();
+                    if silent >= link.limit {
+                        return Err(SourceError::Transient(format!(
+                            "replication stream: nothing received from the server for {} s (it did not answer \
+                             status requests: a silent network path or a stuck server)",
+                            silent.as_secs()
+                        )));
+                    }
+                    if silent >= PROBE_AFTER {
+                        feedback.send(&mut conn, true).await?;
+                    }
                 }
                 _ = ticker.tick() => feedback.send(&mut conn, false).await?,
                 changed = acked.changed() => {
@@ -273,12 +334,26 @@ fn lost(e: WireError) -> SourceError {
 struct Feedback {
     received: u64,
     flushed: u64,
+    /// How long a write may wait for the socket (a link whose buffers are
+    /// full because nothing flows).
+    limit: Duration,
 }
 
 impl Feedback {
+    /// A standby status update; `reply` asks the server to answer at once.
     async fn send(&self, conn: &mut ReplConnection, reply: bool) -> Result<(), SourceError> {
         conn.queue_copy_data(&standby_status(self.received.max(self.flushed), self.flushed, reply)).map_err(lost)?;
-        conn.flush().await.map_err(lost)
+        self.flush(conn).await
+    }
+
+    async fn flush(&self, conn: &mut ReplConnection) -> Result<(), SourceError> {
+        match tokio::time::timeout(self.limit, conn.flush()).await {
+            Ok(result) => result.map_err(lost),
+            Err(_) => Err(SourceError::Transient(format!(
+                "replication stream: a write to the server did not complete within {} s",
+                self.limit.as_secs()
+            ))),
+        }
     }
 }
 
@@ -642,15 +717,6 @@ impl ChangeStream for LostStream {
 
     async fn ack(&mut self, _watermark: &str) -> Result<(), SourceError> {
         Ok(())
-    }
-}
-
-/// The server's `wal_sender_timeout`, or `None` when it is disabled.
-async fn wal_sender_timeout(client: &tokio_postgres::Client) -> Option<Duration> {
-    let row = client.query_one("SELECT setting::int8 FROM pg_settings WHERE name = 'wal_sender_timeout'", &[]).await;
-    match row.map(|r| r.get::<_, i64>(0)) {
-        Ok(ms) if ms > 0 => Some(Duration::from_millis(ms as u64)),
-        _ => None,
     }
 }
 

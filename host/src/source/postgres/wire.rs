@@ -9,7 +9,6 @@
 //! tokio-postgres itself is built on.
 
 use std::fmt;
-use std::time::Duration;
 
 use bytes::{Buf, BytesMut};
 use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256};
@@ -76,6 +75,29 @@ async fn accepts_tls(socket: &mut tokio::net::TcpStream) -> Result<bool, WireErr
     }
 }
 
+/// The connection string's TCP keepalive and `tcp_user_timeout` (with
+/// Sluice's defaults, see [`crate::pgconn::conninfo`]) on the walsender
+/// socket, as tokio-postgres applies them to the sockets it opens: a server
+/// whose machine died is noticed in seconds, not after the kernel's two hours.
+fn tcp_liveness(socket: &tokio::net::TcpStream, config: &tokio_postgres::Config) -> std::io::Result<()> {
+    let sock = socket2::SockRef::from(socket);
+    if config.get_keepalives() {
+        let mut keepalive = socket2::TcpKeepalive::new().with_time(config.get_keepalives_idle());
+        if let Some(interval) = config.get_keepalives_interval() {
+            keepalive = keepalive.with_interval(interval);
+        }
+        if let Some(retries) = config.get_keepalives_retries() {
+            keepalive = keepalive.with_retries(retries);
+        }
+        sock.set_tcp_keepalive(&keepalive)?;
+    }
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    if let Some(timeout) = config.get_tcp_user_timeout() {
+        sock.set_tcp_user_timeout(Some(*timeout))?;
+    }
+    Ok(())
+}
+
 /// One backend message: its tag and body.
 pub struct Frame {
     pub tag: u8,
@@ -93,8 +115,20 @@ pub type TextRows = Vec<Vec<Option<String>>>;
 
 impl ReplConnection {
     /// Connects and authenticates with `replication=database`, over TLS as
-    /// the target's `sslmode` asks.
+    /// the target's `sslmode` asks. The whole attempt is bounded by the
+    /// target's `connect_timeout`, as libpq bounds it.
     pub async fn connect(
+        target: &PgTarget,
+        config: &tokio_postgres::Config,
+        application_name: &str,
+    ) -> Result<Self, WireError> {
+        let bound = config.get_connect_timeout().copied().unwrap_or(crate::pgconn::conninfo::CONNECT_TIMEOUT);
+        tokio::time::timeout(bound, Self::connect_unbounded(target, config, application_name)).await.map_err(|_| {
+            WireError::Io(format!("no answer from the server within {} s (connect_timeout)", bound.as_secs_f64()))
+        })?
+    }
+
+    async fn connect_unbounded(
         target: &PgTarget,
         config: &tokio_postgres::Config,
         application_name: &str,
@@ -103,14 +137,11 @@ impl ReplConnection {
         let mut binding = None;
         let socket: Box<dyn Socket> = match config.get_hosts().first() {
             Some(Host::Tcp(host)) => {
-                let mut s = tokio::time::timeout(
-                    Duration::from_secs(30),
-                    tokio::net::TcpStream::connect((host.as_str(), port)),
-                )
-                .await
-                .map_err(|_| WireError::Io(format!("connecting to {host}:{port} timed out")))?
-                .map_err(|e| WireError::Io(format!("connecting to {host}:{port}: {e}")))?;
+                let mut s = tokio::net::TcpStream::connect((host.as_str(), port))
+                    .await
+                    .map_err(|e| WireError::Io(format!("connecting to {host}:{port}: {e}")))?;
                 s.set_nodelay(true).map_err(io)?;
+                tcp_liveness(&s, config).map_err(io)?;
                 if target.tls.mode != SslMode::Disable && accepts_tls(&mut s).await? {
                     let tls = tls::handshake(target.tls.client_config(), host, s)
                         .await

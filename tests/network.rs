@@ -1,0 +1,339 @@
+//! Network faults: a fault proxy between Sluice and each peer it waits on
+//! silently partitions the link (sockets open, nothing flows) under a
+//! steady upstream writer, then heals it. Each case checks that the stall
+//! is noticed (`/readyz` 503, the path in `/status`, one log line), that
+//! Sluice recovers by itself, and that every transaction reaches the
+//! subscribers exactly once (the crash suite's oracle).
+//!
+//! Times are measured and printed, never asserted. `make test` partitions
+//! for `SLUICE_PARTITION_SECS` (default 12); `make chaos` for longer.
+
+#[macro_use]
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::faultproxy::{FaultProxy, Link};
+use common::host::{stored_watermark, Host};
+use common::oracle::*;
+use common::process::Rng;
+use common::*;
+
+/// How long each partition lasts.
+fn partition() -> Duration {
+    let secs = std::env::var("SLUICE_PARTITION_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(12.0);
+    Duration::from_secs_f64(secs)
+}
+
+/// The address a `postgres://user@host:port/db` URL points at.
+fn addr_of(url: &str) -> SocketAddr {
+    let target = sluice::pgconn::PgTarget::parse(url).unwrap();
+    let port = target.config.get_ports().first().copied().unwrap_or(5432);
+    format!("{}:{port}", target.host()).parse().unwrap()
+}
+
+/// `url` with its host and port replaced by the proxy's.
+fn through(url: &str, proxy: &FaultProxy) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let (authority, path) = rest.split_once('/').unwrap();
+    let user = authority.rsplit_once('@').map(|(u, _)| format!("{u}@")).unwrap_or_default();
+    format!("{scheme}://{user}{}/{path}", proxy.host_port())
+}
+
+fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+fn last_watermark(host: &Host) -> Option<String> {
+    host.status().and_then(|s| s["lastWatermark"].as_str().map(str::to_string))
+}
+
+/// Waits for `check`, polling every 50 ms, up to `limit`; returns how long it took.
+async fn until(what: &str, host: &Host, limit: Duration, mut check: impl FnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    while !check() {
+        assert!(started.elapsed() < limit, "{what} did not happen within {limit:?}; log:\n{}", host.log_tail());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    started.elapsed()
+}
+
+/// The stalls `/status` reports, as `path` names.
+fn stalled_paths(host: &Host) -> Vec<String> {
+    let Some(status) = host.status() else { return Vec::new() };
+    status["stalls"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|s| s["path"].as_str().map(str::to_string)).collect())
+        .unwrap_or_default()
+}
+
+/// The host's log holds a stall line for `path` and, after it, the line
+/// saying it recovered.
+fn logged_stall_and_recovery(host: &Host, path: &str) -> bool {
+    let log = std::fs::read_to_string(&host.log).unwrap_or_default();
+    let Some(stalled) = log.find(&format!("{path} stalled:")) else { return false };
+    log[stalled..].contains(&format!("{path} recovered from a stall"))
+}
+
+/// The mock source into a Postgres change DB behind the proxy. The change
+/// DB link goes silent for a while: the storer's call passes its deadline,
+/// the connection is dropped and reopened once the link heals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_change_db_link_is_noticed_and_storage_resumes_after_it() {
+    let mut rng = Rng::from_env("SLUICE_CHAOS_SEED", "network change-db partition");
+    let dir = tempfile::tempdir().unwrap();
+    let spec = LogSpec::new(Backend::Postgres, dir.path());
+    let pg = spec.pg.clone().unwrap();
+    let server = pg_url();
+    let proxy = FaultProxy::start(addr_of(&server)).await;
+    let config = serde_json::json!({"rows_per_tx": ROWS, "tables": 2, "rate": 200}).to_string();
+    let plugins = plugin_dir().display().to_string();
+    let change_db = through(&server, &proxy);
+    let mut host = Host::new(
+        dir.path(),
+        args(&[
+            "--source",
+            "mock-source",
+            "--source-config",
+            &config,
+            "--change-db",
+            &change_db,
+            "--app-id",
+            &pg.app_id,
+            "--plugins",
+            &plugins,
+        ]),
+    );
+    host.start(&[]);
+    let subs = Subscribers::start(&host.addr, Arc::new(Mutex::new("00".into())), rng.next());
+    until("storing", &host, Duration::from_secs(60), || {
+        host.ready() == Some(true) && last_watermark(&host).is_some_and(|w| w >= lexi(50))
+    })
+    .await;
+
+    proxy.set(Link::Blackhole);
+    let noticed = until("/readyz 503 while the change DB is silent", &host, Duration::from_secs(30), || {
+        host.ready() == Some(false)
+    })
+    .await;
+    assert!(stalled_paths(&host).contains(&"changeLog".to_string()), "/status names the stalled path");
+    let lag_during = host.status().and_then(|s| s["sourceLagMs"].as_f64());
+    tokio::time::sleep(partition().saturating_sub(noticed)).await;
+    let lag_later = host.status().and_then(|s| s["sourceLagMs"].as_f64());
+    if let (Some(a), Some(b)) = (lag_during, lag_later) {
+        assert!(b > a, "sourceLagMs grows while storage is stalled ({a} then {b})");
+    }
+    let at_heal = last_watermark(&host).unwrap();
+    proxy.set(Link::Up);
+    let healed = Instant::now();
+    until("storage resumes after the heal", &host, Duration::from_secs(60), || {
+        last_watermark(&host).is_some_and(|w| w > at_heal)
+    })
+    .await;
+    let resumed = healed.elapsed();
+    until("/readyz 200 again", &host, Duration::from_secs(60), || host.ready() == Some(true)).await;
+    let ready_again = healed.elapsed();
+    until("the stall and its end in the log", &host, Duration::from_secs(10), || {
+        logged_stall_and_recovery(&host, "change_log")
+    })
+    .await;
+
+    let target = stored_watermark(&host).await;
+    subs.reach(&target, &host).await;
+    let seen = subs.stop().await;
+    host.kill();
+    let (checked, stored) = check_mock_run(&seen, &spec).await;
+    println!(
+        "network change-db partition of {:.1} s: noticed (/readyz 503) after {:.1} s, storage resumed {:.1} s and \
+         /readyz 200 {:.1} s after the heal; {} and {} transactions checked by the two subscribers, the log holds {} \
+         whole transactions: none lost or duplicated",
+        partition().as_secs_f64(),
+        noticed.as_secs_f64(),
+        resumed.as_secs_f64(),
+        ready_again.as_secs_f64(),
+        checked[0],
+        checked[1],
+        stored.len()
+    );
+}
+
+/// The owner's change DB link goes silent (as when its machine dies: no
+/// close ever reaches the server) and a standby starts on the same change
+/// DB. The owner's server session holds the `replicationState` row lock
+/// until the server ends it (idle_in_transaction_session_timeout); then the
+/// standby owns the log and subscribers continue from it exactly once. When
+/// the link heals, the old owner finds ownership gone and stops by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_from_an_owner_whose_change_db_link_went_silent() {
+    let mut rng = Rng::from_env("SLUICE_CHAOS_SEED", "network takeover");
+    let dir = tempfile::tempdir().unwrap();
+    let spec = LogSpec::new(Backend::Postgres, dir.path());
+    let pg = spec.pg.clone().unwrap();
+    let server = pg_url();
+    let proxy = FaultProxy::start(addr_of(&server)).await;
+    let config = serde_json::json!({"rows_per_tx": ROWS, "tables": 2, "rate": 200}).to_string();
+    let plugins = plugin_dir().display().to_string();
+    let host_args = |task: &str, change_db: &str| {
+        args(&[
+            "--source",
+            "mock-source",
+            "--source-config",
+            &config,
+            "--change-db",
+            change_db,
+            "--app-id",
+            &pg.app_id,
+            "--task-id",
+            task,
+            "--plugins",
+            &plugins,
+        ])
+    };
+    let mut owner = Host::named(dir.path(), "owner", host_args("owner", &through(&server, &proxy)));
+    let mut standby = Host::named(dir.path(), "standby", host_args("standby", &server));
+    owner.start(&[]);
+    let subs =
+        Subscribers::start_on(vec![owner.addr.clone(), standby.addr.clone()], Arc::new(Mutex::new("00".into())), rng.next());
+    until("the owner storing", &owner, Duration::from_secs(60), || {
+        last_watermark(&owner).is_some_and(|w| w >= lexi(50))
+    })
+    .await;
+
+    proxy.set(Link::Blackhole);
+    let cut = Instant::now();
+    let before = last_watermark(&owner).unwrap();
+    standby.start(&[]);
+    until("the standby owning and storing past the owner", &standby, Duration::from_secs(90), || {
+        last_watermark(&standby).is_some_and(|w| w > before) && standby.ready() == Some(true)
+    })
+    .await;
+    let took_over = cut.elapsed();
+    let owner_noticed = owner.ready() == Some(false);
+
+    proxy.set(Link::Up);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let stopped = loop {
+        if let Some(status) = owner.exited() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the old owner did not stop by itself; log:\n{}", owner.log_tail());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(stopped.success(), "the old owner exits cleanly: {stopped}; log:\n{}", owner.log_tail());
+    let target = stored_watermark(&standby).await;
+    subs.reach_any(&target, &[&owner, &standby]).await;
+    let seen = subs.stop().await;
+    standby.kill();
+    let (checked, _) = check_mock_run(&seen, &spec).await;
+    let lock_line = std::fs::read_to_string(&standby.log).unwrap_or_default().contains("replicationState row is held by");
+    println!(
+        "network takeover: the standby owned the log and stored past the silent owner {:.1} s after the owner's \
+         change DB link went silent (the owner's /readyz was {} then; the standby logged who held the lock: {lock_line}); \
+         {} and {} transactions checked by the two subscribers: none lost or duplicated",
+        took_over.as_secs_f64(),
+        if owner_noticed { "503" } else { "200" },
+        checked[0],
+        checked[1]
+    );
+}
+
+/// The built-in Postgres source behind the proxy (its replication and
+/// normal connections) while the upstream keeps committing: the silent
+/// replication link is noticed by its probes, reopened once it heals, and
+/// the replica catches up with every row exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_upstream_link_is_noticed_and_replication_catches_up() {
+    let mut rng = Rng::from_env("SLUICE_CHAOS_SEED", "network upstream partition");
+    let server = pg_url();
+    let db = format!("netfault_{}", std::process::id());
+    let admin = connect_pg(&server).await;
+    admin.batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")).await.unwrap();
+    admin.batch_execute(&format!("CREATE DATABASE {db}")).await.unwrap();
+    let url = format!("{}/{db}", server.rsplit_once('/').unwrap().0);
+    let up = connect_pg(&url).await;
+    up.batch_execute("CREATE TABLE events (id int PRIMARY KEY)").await.unwrap();
+    let proxy = FaultProxy::start(addr_of(&server)).await;
+    let slot = format!("netfault_{}", std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    let spec = LogSpec::new(Backend::Sqlite, dir.path());
+    let config = serde_json::json!({"url": through(&url, &proxy), "slot": slot}).to_string();
+    let change_db = format!("sqlite:{}", spec.sqlite.display());
+    let mut host =
+        Host::new(dir.path(), args(&["--source", "postgres", "--source-config", &config, "--change-db", &change_db]));
+    host.start(&[]);
+    let rv = Arc::new(Mutex::new(host.replica_version().await));
+    let subs = Subscribers::start(&host.addr, rv, rng.next());
+
+    // The upstream commits 1-4 rows per transaction, about 200 a second.
+    let written = Arc::new(AtomicI32::new(0));
+    let (stop_writer, mut writer_stop) = tokio::sync::watch::channel(false);
+    let writer = {
+        let written = written.clone();
+        let mut rng = Rng(rng.next());
+        tokio::spawn(async move {
+            let mut next = 0;
+            loop {
+                let n = rng.range(1, 5) as i32;
+                let insert = "INSERT INTO events SELECT generate_series($1::int, $2::int)";
+                up.execute(insert, &[&next, &(next + n - 1)]).await.unwrap();
+                next += n;
+                written.store(next, Ordering::Release);
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+                    _ = writer_stop.changed() => return next,
+                }
+            }
+        })
+    };
+    subs.wait_for_rows(200, &host).await;
+    until("ready", &host, Duration::from_secs(30), || host.ready() == Some(true)).await;
+
+    proxy.set(Link::Blackhole);
+    let noticed = until("/readyz 503 while the upstream is silent", &host, Duration::from_secs(30), || {
+        host.ready() == Some(false)
+    })
+    .await;
+    assert!(stalled_paths(&host).contains(&"source".to_string()), "/status names the stalled path");
+    tokio::time::sleep(partition().saturating_sub(noticed)).await;
+    proxy.set(Link::Up);
+    let healed = Instant::now();
+    let rows_at_heal = written.load(Ordering::Acquire) as usize;
+    subs.wait_for_rows(rows_at_heal, &host).await;
+    let caught_up = healed.elapsed();
+    until("/readyz 200 again", &host, Duration::from_secs(60), || host.ready() == Some(true)).await;
+    let ready_again = healed.elapsed();
+    until("the stall and its end in the log", &host, Duration::from_secs(10), || {
+        logged_stall_and_recovery(&host, "source")
+    })
+    .await;
+
+    let _ = stop_writer.send(true);
+    let rows = writer.await.unwrap();
+    subs.wait_for_rows(rows as usize, &host).await;
+    let seen = subs.stop().await;
+    host.kill();
+    let txs = each_row_exactly_once(&seen, &(0..rows as i64).collect::<Vec<_>>());
+    spec.assert_whole().await;
+    admin.execute("SELECT pg_drop_replication_slot($1) FROM pg_replication_slots WHERE slot_name = $1", &[&slot]).await.unwrap();
+    admin.batch_execute(&format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")).await.unwrap();
+    println!(
+        "network upstream partition of {:.1} s: noticed (/readyz 503) after {:.1} s, the subscribers had every row \
+         written before the heal {:.1} s and /readyz 200 {:.1} s after it; {rows} rows in {} and {} transactions \
+         checked row by row: none lost or duplicated",
+        partition().as_secs_f64(),
+        noticed.as_secs_f64(),
+        caught_up.as_secs_f64(),
+        ready_again.as_secs_f64(),
+        txs[0],
+        txs[1]
+    );
+}
+
+async fn connect_pg(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    client
+}
