@@ -60,11 +60,14 @@ test: test-plugins interop-deps
 
 # The crash-safety suite for longer: each chaos variant kills and restarts
 # Sluice for SLUICE_CHAOS_SECONDS (default 120), then the fuzzers run for
-# SLUICE_FUZZ_SECONDS each. SLUICE_CHAOS_SEED replays a run.
+# SLUICE_FUZZ_SECONDS each, then the network faults partition each link for
+# SLUICE_PARTITION_SECS (default 25). SLUICE_CHAOS_SEED replays a run.
 chaos: test-plugins
 	$(CARGO) build --tests
 	SLUICE_CHAOS_SECONDS=$${SLUICE_CHAOS_SECONDS:-120} SLUICE_FUZZ_SECONDS=$${SLUICE_FUZZ_SECONDS:-60} \
-		tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh $(CARGO) test --test chaos -- --nocapture --test-threads=1
+		SLUICE_PARTITION_SECS=$${SLUICE_PARTITION_SECS:-25} \
+		tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh \
+		sh -c '$(CARGO) test --test chaos -- --nocapture --test-threads=1 && $(CARGO) test --test network -- --nocapture --test-threads=1'
 
 bench: plugins interop-deps
 	$(CARGO) build --release -p sluice -p sluice-bench

@@ -27,14 +27,12 @@ fn main() {
     }
     // A new commit or checkout changes HEAD, a branch's ref file, or
     // packed-refs (in the common directory when this is a worktree).
-    let dirs: Vec<PathBuf> = [
-        git(&["rev-parse", "--absolute-git-dir"]),
-        git(&["rev-parse", "--path-format=absolute", "--git-common-dir"]),
-    ]
-        .into_iter()
-        .flatten()
-        .map(PathBuf::from)
-        .collect();
+    let dirs: Vec<PathBuf> =
+        [git(&["rev-parse", "--absolute-git-dir"]), git(&["rev-parse", "--path-format=absolute", "--git-common-dir"])]
+            .into_iter()
+            .flatten()
+            .map(PathBuf::from)
+            .collect();
     let mut named = Vec::new();
     for dir in &dirs {
         for file in ["HEAD", "refs/heads", "packed-refs"] {

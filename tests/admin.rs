@@ -172,7 +172,11 @@ async fn a_sqlite_log_has_one_writer() {
     assert!(line.contains(&format!("pid {}", first.child.id())), "names the holder's pid: {line}");
     assert!(line.contains(&first.addr), "names the holder's address: {line}");
     let forced = admin(&["log", "reset", "--yes", "--force", "--change-db", &db]);
-    assert!(!forced.status.success() && text(&forced).contains("is being written by another Sluice"), "{}", text(&forced));
+    assert!(
+        !forced.status.success() && text(&forced).contains("is being written by another Sluice"),
+        "{}",
+        text(&forced)
+    );
     first.wait_status("more stored transactions", |s| s["transactions"].as_u64().is_some_and(|n| n >= 40));
     let log = first.log_text();
     assert!(!log.contains("ERROR"), "the first writer logged an error:\n{log}");

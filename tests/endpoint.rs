@@ -442,7 +442,7 @@ async fn read_to_close(mut client: Client, slow: bool) -> (u16, String, bool) {
                 read += 1;
                 let v: serde_json::Value = serde_json::from_str(&t).unwrap();
                 let _ = client.ws.send(Ws::Text(format!("{{\"ack\":{}}}", v["id"]).into())).await;
-                if slow && read % 20 == 0 {
+                if slow && read.is_multiple_of(20) {
                     // A catch-up read at a modest pace: it is still running at the signal.
                     tokio::time::sleep(Duration::from_millis(15)).await;
                 }
@@ -470,15 +470,13 @@ async fn read_to_close(mut client: Client, slow: bool) -> (u16, String, bool) {
 /// Sluice exits 0 each time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_reaches_live_and_catching_up_subscribers_alike() {
-    let dir = tempfile::tempdir().unwrap();
-    let log_db = dir.path().join("log.db");
     for run in 0..2 {
         let run_dir = tempfile::tempdir().unwrap();
         let extra = [
             "--source-config".to_string(),
             serde_json::json!({"rate": 3000, "rows_per_tx": 2}).to_string(),
-            "--change-db".into(),
-            format!("sqlite:{}", log_db.display()),
+            "--max-connections".into(),
+            "10".into(),
         ];
         let mut host = Host::start_with(run_dir, &extra);
         let deadline = Instant::now() + WAIT;
@@ -490,9 +488,24 @@ async fn sigterm_reaches_live_and_catching_up_subscribers_alike() {
             std::thread::sleep(Duration::from_millis(20));
         }
         let mut readers = Vec::new();
-        for slow in [true, true, false, false] {
+        // Two from the start of the log, read at a modest pace: catching up
+        // at the signal.
+        for _ in 0..2 {
             let client = host.subscribe("", bearer()).await.unwrap();
-            readers.push(tokio::spawn(read_to_close(client, slow)));
+            readers.push(tokio::spawn(read_to_close(client, true)));
+        }
+        // Two from the head: live at the signal.
+        let head =
+            common::process::status_with(&host.addr, TOKEN).unwrap()["lastWatermark"].as_str().unwrap().to_string();
+        for _ in 0..2 {
+            let url = format!(
+                "ws://{}/replication/v6/changes?id=live&taskID=t&replicaVersion=00&watermark={head}",
+                host.addr
+            );
+            let mut request = url.into_client_request().unwrap();
+            request.headers_mut().insert("authorization", bearer().unwrap().parse().unwrap());
+            let (ws, _) = tokio_tungstenite::connect_async(request).await.unwrap();
+            readers.push(tokio::spawn(read_to_close(Client { ws }, false)));
         }
         // Let every reader get going.
         tokio::time::sleep(Duration::from_millis(300)).await;

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::zero_cache::{
-    bootstrap_replica, fresh_database, psql, psql_value, replica_file, start_on_sluice, start_view_syncer, Streamer,
-    ZeroCache, ZeroClient,
+    bootstrap_replica, bootstrap_replica_with_token, fresh_database, psql, psql_value, replica_file, run_zero_replica,
+    start_on_sluice, start_view_syncer, Streamer, ZeroCache, ZeroClient,
 };
 use serde_json::{json, Value};
 
@@ -560,4 +560,64 @@ fn zero_cache_and_its_client_follow_mariadb_through_sluice() {
     drop((client, with_note, zc));
     sluice.kill().unwrap();
     sluice.wait().unwrap();
+}
+
+/// The secured set-up of docs/view-syncers.md end to end: Sluice with
+/// `--token-file`; `tools/zero-replica.mjs` refuses with a clear line
+/// without the token and with a wrong one, and bootstraps the replica with
+/// it from `SLUICE_TOKEN`; a zero-cache view-syncer given the token in
+/// `ZERO_CHANGE_STREAMER_URI` serves a Zero client the rows and a live
+/// change.
+#[test]
+fn a_view_syncer_bootstraps_from_and_follows_a_sluice_with_a_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = common::pg_url();
+    let drop_slot = "SELECT pg_drop_replication_slot('zc_tok') FROM pg_replication_slots WHERE slot_name = 'zc_tok'";
+    psql(&server, drop_slot);
+    let up = fresh_database("zc_tok_upstream");
+    psql(&up, "CREATE TABLE items (id int8 PRIMARY KEY, name text); INSERT INTO items VALUES (1, 'a'), (2, 'b')");
+    let token = "view-syncer-token-0815";
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, format!("{token}\n")).unwrap();
+    let addr = common::process::free_addr();
+    let config = json!({ "url": up, "slot": "zc_tok", "zero": {"app_id": "zero", "shard_num": 0} }).to_string();
+    let token_arg = token_file.display().to_string();
+    let mut sluice = spawn_sluice(dir.path(), &addr, "postgres", &config, &["--token-file", &token_arg]);
+    let deadline = Instant::now() + WAIT;
+    let replica_version = loop {
+        let status = common::process::status_with(&addr, token);
+        if let Some(v) = status.and_then(|s| s["replicaVersion"].as_str().map(str::to_string)) {
+            break v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no lineage:\n{}",
+            std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let allow = json!([["allow", {"type": "and", "conditions": []}]]);
+    let rules = json!({"tables": {"items": {"row": {"select": allow}}}});
+    psql(&up, &format!("UPDATE zero.permissions SET permissions = '{rules}'"));
+
+    let file = replica_file("zc_tok", dir.path());
+    for (given, says) in [(None, "requires a token (401)"), (Some("not-the-token"), "refused the token (401)")] {
+        let out = run_zero_replica(&addr, &file, given);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(says), "{given:?}: {stderr}");
+        assert!(!file.exists(), "no replica file is written without the token");
+    }
+    let written = bootstrap_replica_with_token(&addr, &file, Some(token));
+    assert_eq!(written["replicaVersion"], replica_version.as_str(), "{written}");
+    psql(&up, "INSERT INTO items VALUES (3, 'between the bootstrap and the start')");
+    let view_syncer = start_view_syncer("zc_tok", Streamer::Uri(format!("sluice:{token}@{addr}")), &up, dir.path());
+    let mut client = ZeroClient::start(&view_syncer, "items", &[("id", "number"), ("name", "string")]);
+    client.wait_rows("the upstream's rows", WAIT, |rows| rows.len() == 3);
+    psql(&up, "INSERT INTO items VALUES (4, 'live')");
+    client.wait_rows("a live insert", WAIT, |rows| rows.last().is_some_and(|r| r["id"] == 4 && r["name"] == "live"));
+    drop(client);
+    drop(view_syncer);
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    psql(&server, drop_slot);
 }

@@ -551,10 +551,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     // One writer per SQLite log, held until this function returns (or the
     // process dies), checked before anything is opened or written.
     let mut writer_lock = match &change_db {
-        ChangeDb::Sqlite(path) => Some(sluice::storage::writer_lock::WriterLock::acquire(
-            path,
-            &format!("listening on {}", args.listen),
-        )?),
+        ChangeDb::Sqlite(path) => {
+            Some(sluice::storage::writer_lock::WriterLock::acquire(path, &format!("listening on {}", args.listen))?)
+        }
         ChangeDb::Postgres(_) => None,
     };
     let durability = match args.sync.as_str() {

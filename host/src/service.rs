@@ -311,7 +311,11 @@ async fn log_stalls(status: Arc<Status>, mut stop: watch::Receiver<bool>) {
             let now = status.stalls().into_iter().find(|s| s.path == path);
             match (&stalled[i], now) {
                 (None, Some(report)) => {
-                    tracing::warn!("{} stalled: {}; /readyz answers 503 until it recovers", path.label(), report.reason);
+                    tracing::warn!(
+                        "{} stalled: {}; /readyz answers 503 until it recovers",
+                        path.label(),
+                        report.reason
+                    );
                     stalled[i] = Some(Duration::from_millis(report.for_ms));
                 }
                 (Some(_), Some(report)) => stalled[i] = Some(Duration::from_millis(report.for_ms)),

@@ -332,7 +332,8 @@ impl Status {
 
     /// Every path stalled now.
     pub fn stalls(&self) -> Vec<StallReport> {
-        let source_stopped = matches!(self.inner.lock().unwrap_or_else(|p| p.into_inner()).source, SourceState::Stopped { .. });
+        let source_stopped =
+            matches!(self.inner.lock().unwrap_or_else(|p| p.into_inner()).source, SourceState::Stopped { .. });
         NetPath::ALL
             .into_iter()
             .filter(|path| !(source_stopped && *path == NetPath::Source))

@@ -98,7 +98,11 @@ impl Drop for FaultProxy {
 }
 
 /// Copies `from` to `to` while the link allows it.
-async fn pipe(mut from: tokio::net::tcp::OwnedReadHalf, mut to: tokio::net::tcp::OwnedWriteHalf, mut link: watch::Receiver<Link>) {
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut link: watch::Receiver<Link>,
+) {
     let mut buf = vec![0u8; 64 << 10];
     loop {
         // Hold here while blackholed: nothing is read, so nothing is lost.

@@ -115,7 +115,6 @@ impl Drop for Host {
     }
 }
 
-
 /// The host's stored watermark once it serves again after the last restart.
 pub async fn stored_watermark(host: &Host) -> String {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -127,4 +126,3 @@ pub async fn stored_watermark(host: &Host) -> String {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
-

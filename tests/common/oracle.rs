@@ -249,4 +249,3 @@ pub async fn check_mock_run(seen: &[Arc<Mutex<Seen>>], spec: &LogSpec) -> (Vec<u
     assert_eq!(stored, expected, "the change log skips or repeats a transaction");
     (checked, stored)
 }
-

@@ -5,7 +5,10 @@ use std::path::Path;
 
 // Not every test binary that includes `common` uses all of them.
 #[allow(unused_imports)]
-pub use zero_harness::{bootstrap_replica, psql, psql_value, replica_file, Streamer, Upstream, ZeroCache, ZeroClient};
+pub use zero_harness::{
+    bootstrap_replica, bootstrap_replica_with_token, psql, psql_value, replica_file, run_zero_replica, Streamer,
+    Upstream, ZeroCache, ZeroClient,
+};
 
 /// A new, empty database `name` on the test server; its URL.
 pub fn fresh_database(name: &str) -> String {

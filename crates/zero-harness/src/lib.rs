@@ -91,14 +91,26 @@ pub enum Streamer {
 /// with `tools/zero-replica.mjs`; returns what it printed
 /// (`{"replicaVersion", "watermark"}`).
 pub fn bootstrap_replica(sluice: &str, file: &Path) -> Value {
+    bootstrap_replica_with_token(sluice, file, None)
+}
+
+/// Runs `tools/zero-replica.mjs` with `token` in `SLUICE_TOKEN` (as an
+/// operator is told to pass it: never on the command line); returns what
+/// the process did.
+pub fn run_zero_replica(sluice: &str, file: &Path, token: Option<&str>) -> std::process::Output {
     let tool = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/zero-replica.mjs");
-    let out = Command::new("node")
-        .arg(tool)
-        .args(["--sluice", sluice, "--file"])
-        .arg(file)
-        .current_dir(interop_dir())
-        .output()
-        .expect("node is installed");
+    let mut command = Command::new("node");
+    command.arg(tool).args(["--sluice", sluice, "--file"]).arg(file).current_dir(interop_dir());
+    command.env_remove("SLUICE_TOKEN");
+    if let Some(token) = token {
+        command.env("SLUICE_TOKEN", token);
+    }
+    command.output().expect("node is installed")
+}
+
+/// [`bootstrap_replica`] for a Sluice that requires `token`.
+pub fn bootstrap_replica_with_token(sluice: &str, file: &Path, token: Option<&str>) -> Value {
+    let out = run_zero_replica(sluice, file, token);
     assert!(
         out.status.success(),
         "tools/zero-replica.mjs failed ({}):\n{}",

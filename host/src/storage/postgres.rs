@@ -88,7 +88,8 @@ impl PgSettings {
         // PostgreSQL 14 and later also notice a vanished client during a long
         // statement; older servers do not know the setting.
         let check = "SET client_connection_check_interval = 2000";
-        let _ = within(self.call_timeout, "setting up the session", async { Ok(client.batch_execute(check).await) }).await;
+        let _ =
+            within(self.call_timeout, "setting up the session", async { Ok(client.batch_execute(check).await) }).await;
         Ok(client)
     }
 
@@ -929,7 +930,10 @@ impl LogSnapshot for PgSnapshot {
                ORDER BY r."tableKey" COLLATE "C", r."rowKey" COLLATE "C" LIMIT $3"#
         );
         let rows = self.rt.block_on(within(self.call_timeout, "reading the table state", async {
-            self.client.query(&sql, &[&table, &key, &(limit as i64)]).await.map_err(|e| classify(e, "reading the table state"))
+            self.client
+                .query(&sql, &[&table, &key, &(limit as i64)])
+                .await
+                .map_err(|e| classify(e, "reading the table state"))
         }))?;
         Ok(rows
             .iter()
@@ -1118,7 +1122,11 @@ fn is_unreachable(e: &anyhow::Error) -> bool {
     if e.chain().any(silent) {
         return true;
     }
-    let Some(pg) = e.chain().find_map(|c| c.downcast_ref::<tokio_postgres::Error>()) else {
+    // A connection error wraps the tokio-postgres error transparently.
+    let Some(pg) = e.chain().find_map(|c| {
+        c.downcast_ref::<tokio_postgres::Error>()
+            .or_else(|| c.downcast_ref::<pgconn::ConnectError>().and_then(pgconn::ConnectError::postgres))
+    }) else {
         return false;
     };
     match pg.as_db_error() {

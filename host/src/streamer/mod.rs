@@ -263,14 +263,15 @@ impl Streamer {
             Some(s) if !self.open_fresh && !reset_requested => Some(s.last_watermark.clone()),
             _ => None,
         };
-        // Opening is listening: an upstream that does not answer shows as a stall.
-        self.status.source_heard(None);
+        // Opening is listening: while it waits or keeps failing, the time
+        // since the upstream was last heard from grows into a stall.
         let stream = match (&resume, &state) {
             (Some(watermark), Some(s)) => {
                 self.source.open(Some(Resume { watermark, replica_version: &s.replica_version })).await?
             }
             _ => self.source.open(None).await?,
         };
+        self.status.source_heard(stream.silent_for());
         let rv = stream.replica_version().to_string();
         let logged_rv = state.as_ref().map(|s| s.replica_version.as_str());
         let new_lineage = match state.as_ref() {
@@ -531,12 +532,18 @@ impl Streamer {
                     // ends the wait.
                     state.unflushed_bytes = 0;
                     let targets = self.hub.broadcast_targets();
-                    tokio::select! {
-                        _ = forwarder::broadcast(targets, self.options.consensus_proportion) => {}
-                        _ = storer.finished() => return PassEnd::RetryStorage("the change log writer stopped".into()),
-                        _ = shutdown.changed() => return PassEnd::Shutdown,
+                    let broadcast = forwarder::broadcast(targets, self.options.consensus_proportion);
+                    tokio::pin!(broadcast);
+                    let mut listening = tokio::time::interval(Duration::from_secs(1));
+                    loop {
+                        tokio::select! {
+                            _ = &mut broadcast => break,
+                            // Waiting for subscribers is not waiting for the upstream.
+                            _ = listening.tick() => self.status.source_heard(None),
+                            _ = storer.finished() => return PassEnd::RetryStorage("the change log writer stopped".into()),
+                            _ = shutdown.changed() => return PassEnd::Shutdown,
+                        }
                     }
-                    // Waiting for subscribers is not waiting for the upstream.
                     self.status.source_heard(stream.silent_for());
                     started = std::time::Instant::now();
                 }
@@ -546,6 +553,8 @@ impl Streamer {
                 // Back-pressure, with Zero's watchdog for a wedged change log.
                 let mut seen = storer.progress();
                 let mut listening = tokio::time::interval(Duration::from_secs(1));
+                let wedge_every = self.options.wedge_timeout.max(Duration::from_millis(1));
+                let mut wedge_check = tokio::time::interval_at(tokio::time::Instant::now() + wedge_every, wedge_every);
                 loop {
                     tokio::select! {
                         _ = storer.ready_for_more() => break,
@@ -553,7 +562,7 @@ impl Streamer {
                         _ = listening.tick() => self.status.source_heard(None),
                         _ = storer.finished() => return PassEnd::RetryStorage("the change log writer stopped".into()),
                         _ = shutdown.changed() => return PassEnd::Shutdown,
-                        _ = tokio::time::sleep(self.options.wedge_timeout) => {
+                        _ = wedge_check.tick() => {
                             if storer.progress() == seen {
                                 return PassEnd::Fatal(format!(
                                     "No statement processed within the last {}ms. Considering the change-log to be wedged.",
