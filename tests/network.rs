@@ -160,12 +160,14 @@ async fn a_silent_change_db_link_is_noticed_and_storage_resumes_after_it() {
     );
 }
 
-/// The owner's change DB link goes silent (as when its machine dies: no
-/// close ever reaches the server) and a standby starts on the same change
-/// DB. The owner's server session holds the `replicationState` row lock
-/// until the server ends it (idle_in_transaction_session_timeout); then the
-/// standby owns the log and subscribers continue from it exactly once. When
-/// the link heals, the old owner finds ownership gone and stops by itself.
+/// The owner's change DB link goes silent inside a storage transaction (as
+/// when its machine dies: no close ever reaches the server) and a standby
+/// starts on the same change DB. The owner's server session holds the
+/// `replicationState` row lock until the server ends it
+/// (idle_in_transaction_session_timeout, or statement_timeout in the middle
+/// of a statement); then the standby owns the log and subscribers continue
+/// from it exactly once. When the link heals, the old owner finds
+/// ownership gone and stops by itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_from_an_owner_whose_change_db_link_went_silent() {
     let mut rng = Rng::from_env("SLUICE_CHAOS_SEED", "network takeover");
@@ -174,7 +176,7 @@ async fn a_standby_takes_over_from_an_owner_whose_change_db_link_went_silent() {
     let pg = spec.pg.clone().unwrap();
     let server = pg_url();
     let proxy = FaultProxy::start(addr_of(&server)).await;
-    let config = serde_json::json!({"rows_per_tx": ROWS, "tables": 2, "rate": 200}).to_string();
+    let config = serde_json::json!({"rows_per_tx": ROWS, "tables": 2, "rate": 1000}).to_string();
     let plugins = plugin_dir().display().to_string();
     let host_args = |task: &str, change_db: &str| {
         args(&[
@@ -205,8 +207,34 @@ async fn a_standby_takes_over_from_an_owner_whose_change_db_link_went_silent() {
     })
     .await;
 
-    proxy.set(Link::Blackhole);
-    let cut = Instant::now();
+    // Cut the link while the owner's session holds the lock (it is inside a
+    // storage transaction): the case a dead machine leaves behind. A cut
+    // that lands just after a commit is healed and tried again.
+    let admin = connect_pg(&server).await;
+    let table = format!(r#"{}."replicationState""#, spec.schema());
+    let lock_held = || async {
+        let sql = "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                   WHERE l.locktype = 'relation' AND l.granted AND l.relation = $1::text::regclass \
+                   AND a.application_name = 'zero-change-streamer'";
+        admin.query_one(sql, &[&table]).await.unwrap().get::<_, i64>(0) > 0
+    };
+    let mut attempts = 0;
+    let cut = loop {
+        attempts += 1;
+        assert!(attempts <= 100, "never cut the link inside a storage transaction");
+        while !lock_held().await {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        proxy.set(Link::Blackhole);
+        let cut = Instant::now();
+        // What was in flight lands; a transaction still open now cannot end.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if lock_held().await {
+            break cut;
+        }
+        proxy.set(Link::Up);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let before = last_watermark(&owner).unwrap();
     standby.start(&[]);
     until("the standby owning and storing past the owner", &standby, Duration::from_secs(90), || {
@@ -231,12 +259,13 @@ async fn a_standby_takes_over_from_an_owner_whose_change_db_link_went_silent() {
     let seen = subs.stop().await;
     standby.kill();
     let (checked, _) = check_mock_run(&seen, &spec).await;
-    let lock_line =
-        std::fs::read_to_string(&standby.log).unwrap_or_default().contains("replicationState row is held by");
+    let standby_log = std::fs::read_to_string(&standby.log).unwrap_or_default();
+    let lock_line = standby_log.lines().find(|l| l.contains("replicationState row is held by")).unwrap_or("none");
     println!(
         "network takeover: the standby owned the log and stored past the silent owner {:.1} s after the owner's \
-         change DB link went silent (the owner's /readyz was {} then; the standby logged who held the lock: {lock_line}); \
-         {} and {} transactions checked by the two subscribers: none lost or duplicated",
+         change DB link went silent inside a storage transaction (cut on attempt {attempts}; the owner's /readyz \
+         was {} then); {} and {} transactions checked by the two subscribers: none lost or duplicated; the \
+         standby's line on who held the lock: {lock_line}",
         took_over.as_secs_f64(),
         if owner_noticed { "503" } else { "200" },
         checked[0],
@@ -577,6 +606,9 @@ async fn a_silent_custom_upstream_link_is_noticed_and_replication_resumes() {
     for i in 6..=10 {
         append(i);
     }
+    // The subscriber reads on throughout, as zero-cache does (one that
+    // stops reading stops answering pings and is closed).
+    let rest = tokio::spawn(async move { read_through(&mut client, &wm(10)).await });
     while ready(&sluice.status) {
         assert!(cut.elapsed() < Duration::from_secs(60), "/readyz never turned 503 while the upstream was silent");
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -586,7 +618,7 @@ async fn a_silent_custom_upstream_link_is_noticed_and_replication_resumes() {
     tokio::time::sleep(partition().saturating_sub(noticed)).await;
     proxy.set(Link::Up);
     let healed = Instant::now();
-    got.extend(read_through(&mut client, &wm(10)).await);
+    got.extend(rest.await.unwrap());
     let caught_up = healed.elapsed();
     assert_custom_exactly_once(&got, &history, SNAPSHOT);
     println!(

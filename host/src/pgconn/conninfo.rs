@@ -29,7 +29,9 @@ impl std::fmt::Debug for PgTarget {
 }
 
 /// The keys Sluice reads itself; everything else goes to tokio-postgres.
-const OWN_KEYS: &[&str] = &["sslmode", "sslrootcert", "sslcert", "sslkey", "passfile"];
+/// (`tcp_user_timeout` is read here because libpq reads it in milliseconds
+/// and tokio-postgres in seconds.)
+const OWN_KEYS: &[&str] = &["sslmode", "sslrootcert", "sslcert", "sslkey", "passfile", "tcp_user_timeout"];
 
 /// The libpq keys tokio-postgres reads (its own error does not name a key
 /// it does not know, so unknown keys are refused here, by name).
@@ -44,7 +46,6 @@ const PASSED_KEYS: &[&str] = &[
     "hostaddr",
     "port",
     "connect_timeout",
-    "tcp_user_timeout",
     "keepalives",
     "keepalives_idle",
     "keepalives_interval",
@@ -82,6 +83,13 @@ impl PgTarget {
             );
         };
         let mut config = tokio_postgres::Config::from_str(&rest).map_err(|e| e.to_string())?;
+        if let Some((_, ms)) = own.iter().rev().find(|(k, _)| k == "tcp_user_timeout") {
+            let ms: u64 = ms.parse().map_err(|_| format!("tcp_user_timeout={ms}: expected milliseconds"))?;
+            // 0: the system's default, as in libpq.
+            if ms > 0 {
+                config.tcp_user_timeout(Duration::from_millis(ms));
+            }
+        }
         apply_network_defaults(&mut config, &given);
         let get = |key: &str, env: &str| {
             own.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.clone()).or_else(|| std::env::var(env).ok())
@@ -357,6 +365,24 @@ mod tests {
     }
 
     #[test]
+    fn network_bounds_apply_unless_the_string_sets_them() {
+        let t = PgTarget::parse("postgres://u@h/db").unwrap();
+        assert_eq!(t.config.get_connect_timeout(), Some(&CONNECT_TIMEOUT));
+        assert_eq!(t.config.get_keepalives_idle(), KEEPALIVES_IDLE);
+        assert_eq!(t.config.get_keepalives_interval(), Some(KEEPALIVES_INTERVAL));
+        assert_eq!(t.config.get_keepalives_retries(), Some(KEEPALIVES_RETRIES));
+        assert_eq!(t.config.get_tcp_user_timeout(), Some(&TCP_USER_TIMEOUT));
+        let own = PgTarget::parse("host=h dbname=db connect_timeout=3 keepalives_idle=60 tcp_user_timeout=0").unwrap();
+        assert_eq!(own.config.get_connect_timeout(), Some(&Duration::from_secs(3)));
+        assert_eq!(own.config.get_keepalives_idle(), Duration::from_secs(60));
+        assert_eq!(own.config.get_tcp_user_timeout(), None, "0 is the system's default, as in libpq");
+        // Milliseconds, as libpq reads it.
+        let url = PgTarget::parse("postgres://u@h/db?tcp_user_timeout=2500").unwrap();
+        assert_eq!(url.config.get_tcp_user_timeout(), Some(&Duration::from_millis(2500)));
+        assert_eq!(own.config.get_keepalives_interval(), Some(KEEPALIVES_INTERVAL), "the rest keep Sluice's");
+    }
+
+    #[test]
     fn no_silent_fallback() {
         let e = PgTarget::parse("changelog.db").unwrap_err();
         assert!(e.contains("not a PostgreSQL connection string"), "{e}");
@@ -387,7 +413,13 @@ mod tests {
         {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
-            assert_eq!(PgTarget::parse(&url).unwrap().config.get_password(), None);
+            let ignored = PgTarget::parse(&url).unwrap();
+            assert_eq!(ignored.config.get_password(), None);
+            // The error a server asking for a password then causes says why there was none.
+            let hint = ignored.password_hint().unwrap();
+            assert!(hint.contains(&file.display().to_string()) && hint.contains("chmod 0600"), "{hint}");
+            let line = crate::pgconn::explain("invalid configuration: password missing".into(), &ignored);
+            assert!(line.ends_with(&hint), "{line}");
         }
     }
 }

@@ -158,7 +158,7 @@ async fn lock_wait_error(c: &Client, s: &str, e: tokio_postgres::Error, what: &s
     }
     let holders = c
         .query(
-            "SELECT a.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), 'local socket'), \
+            "SELECT DISTINCT a.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), 'local socket'), \
                     coalesce(a.state, '?'), extract(epoch FROM now() - a.state_change)::int8 \
              FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
              WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() \

@@ -72,9 +72,9 @@ struct Config {
     /// under the host's plugin call deadline).
     #[serde(default = "default_snapshot_wait")]
     snapshot_wait_ms: u64,
-    /// Liveness pings (every 5 s): an upstream that answers neither pong nor
+    /// Liveness pings (every 3 s): an upstream that answers neither pong nor
     /// message between two pings is given up and reconnected, so a silent
-    /// network path costs at most 10 s.
+    /// network path costs at most 6 s.
     #[serde(default = "default_ping_interval")]
     ping_interval_ms: u64,
 }
@@ -89,7 +89,7 @@ fn default_snapshot_wait() -> u64 {
     3500
 }
 fn default_ping_interval() -> u64 {
-    5_000
+    3_000
 }
 
 impl Config {
