@@ -18,7 +18,6 @@
 #[macro_use]
 mod common;
 
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -473,34 +472,10 @@ async fn chaos_mariadb_source_under_writes() {
     host.start(&[]);
     let rv = Arc::new(Mutex::new(host.replica_version().await));
     let subs = Subscribers::start(&host.addr, rv.clone(), seed);
-    // One client session fed statement by statement: autocommit, 1-4 rows
-    // per transaction. When its input ends, everything sent has committed.
+    // When the writer's input ends, everything it sent has committed.
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writer = {
-        let (socket, db, stop, mut rng) = (m.socket.clone(), db.clone(), stop.clone(), Rng(rng.next()));
-        std::thread::spawn(move || {
-            use std::io::Write;
-            let mut child = Command::new("mariadb")
-                .args(["--no-defaults", "-S", &socket, "-u", "root", &db])
-                .stdin(Stdio::piped())
-                .stdout(Stdio::null())
-                .spawn()
-                .unwrap();
-            let mut input = child.stdin.take().unwrap();
-            let mut next = 100u64;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let n = rng.range(1, 5);
-                let rows: Vec<String> = (next..next + n).map(|i| format!("({i}, (1 << 63) + {i})")).collect();
-                writeln!(input, "INSERT INTO events VALUES {};", rows.join(", ")).unwrap();
-                input.flush().unwrap();
-                next += n;
-                std::thread::sleep(Duration::from_millis(rng.range(1, 6)));
-            }
-            drop(input);
-            assert!(child.wait().unwrap().success(), "the writer's session failed");
-            next
-        })
-    };
+    let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let writer = m.writer(&db, 100, |i| format!("({i}, (1 << 63) + {i})"), stop.clone(), written, rng.next());
     let kills = kill_loop(&mut host, &mut rng, run_for, |_| Vec::new()).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let rows = tokio::task::spawn_blocking(move || writer.join().unwrap()).await.unwrap();

@@ -89,6 +89,18 @@ impl Host {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Waits for the process to exit by itself.
+    fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "still running:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// A subscription from the start, with `header` as Authorization.
     async fn subscribe(&self, query: &str, header: Option<String>) -> Result<Client, WsError> {
         let url =
@@ -412,14 +424,7 @@ async fn sigterm_closes_subscribers_with_going_away_and_exits_zero() {
         let (code, reason) = client.close_reason().await;
         assert_eq!((code, reason.as_str()), (1001, "Sluice is shutting down"));
     }
-    let deadline = Instant::now() + WAIT;
-    let status = loop {
-        if let Some(status) = host.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "still running:\n{}", host.log_text());
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = host.wait_exit();
     assert!(status.success(), "exit {status}:\n{}", host.log_text());
     assert!(host.log_text().contains("stopped"), "{}", host.log_text());
 }
@@ -525,14 +530,7 @@ async fn sigterm_reaches_live_and_catching_up_subscribers_alike() {
                 host.log_text()
             );
         }
-        let deadline = Instant::now() + WAIT;
-        let status = loop {
-            if let Some(status) = host.child.try_wait().unwrap() {
-                break status;
-            }
-            assert!(Instant::now() < deadline, "still running:\n{}", host.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let status = host.wait_exit();
         assert!(status.success(), "run {run}: exit {status}:\n{}", host.log_text());
     }
 }

@@ -47,6 +47,20 @@ fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()
 }
 
+/// `sluice run` arguments for the mock source at `rate` transactions/s
+/// into `change_db` (a Postgres change DB under `app_id`, or `sqlite:PATH`
+/// when `app_id` is `None`), as task `task`.
+fn mock_host_args(rate: u32, change_db: &str, app_id: Option<&str>, task: &str) -> Vec<String> {
+    let config = serde_json::json!({"rows_per_tx": ROWS, "tables": 2, "rate": rate}).to_string();
+    let plugins = plugin_dir().display().to_string();
+    let mut list = args(&["--source", "mock-source", "--source-config", &config, "--change-db", change_db]);
+    if let Some(app_id) = app_id {
+        list.extend(args(&["--app-id", app_id]));
+    }
+    list.extend(args(&["--task-id", task, "--plugins", &plugins]));
+    list
+}
+
 fn last_watermark(host: &Host) -> Option<String> {
     host.status().and_then(|s| s["lastWatermark"].as_str().map(str::to_string))
 }
@@ -89,24 +103,8 @@ async fn a_silent_change_db_link_is_noticed_and_storage_resumes_after_it() {
     let pg = spec.pg.clone().unwrap();
     let server = pg_url();
     let proxy = FaultProxy::start(addr_of(&server)).await;
-    let config = serde_json::json!({"rows_per_tx": ROWS, "tables": 2, "rate": 200}).to_string();
-    let plugins = plugin_dir().display().to_string();
     let change_db = through(&server, &proxy);
-    let mut host = Host::new(
-        dir.path(),
-        args(&[
-            "--source",
-            "mock-source",
-            "--source-config",
-            &config,
-            "--change-db",
-            &change_db,
-            "--app-id",
-            &pg.app_id,
-            "--plugins",
-            &plugins,
-        ]),
-    );
+    let mut host = Host::new(dir.path(), mock_host_args(200, &change_db, Some(&pg.app_id), "sluice"));
     host.start(&[]);
     let subs = Subscribers::start(&host.addr, Arc::new(Mutex::new("00".into())), rng.next());
     until("storing", &host, Duration::from_secs(60), || {
@@ -176,24 +174,7 @@ async fn a_standby_takes_over_from_an_owner_whose_change_db_link_went_silent() {
     let pg = spec.pg.clone().unwrap();
     let server = pg_url();
     let proxy = FaultProxy::start(addr_of(&server)).await;
-    let config = serde_json::json!({"rows_per_tx": ROWS, "tables": 2, "rate": 1000}).to_string();
-    let plugins = plugin_dir().display().to_string();
-    let host_args = |task: &str, change_db: &str| {
-        args(&[
-            "--source",
-            "mock-source",
-            "--source-config",
-            &config,
-            "--change-db",
-            change_db,
-            "--app-id",
-            &pg.app_id,
-            "--task-id",
-            task,
-            "--plugins",
-            &plugins,
-        ])
-    };
+    let host_args = |task: &str, change_db: &str| mock_host_args(1000, change_db, Some(&pg.app_id), task);
     let mut owner = Host::named(dir.path(), "owner", host_args("owner", &through(&server, &proxy)));
     let mut standby = Host::named(dir.path(), "standby", host_args("standby", &server));
     owner.start(&[]);
@@ -410,37 +391,10 @@ async fn a_silent_mariadb_link_is_noticed_and_replication_catches_up() {
     let rv = Arc::new(Mutex::new(host.replica_version().await));
     let subs = Subscribers::start(&host.addr, rv, rng.next());
 
-    // One client session, statement by statement over MariaDB's socket
-    // (not through the proxy): autocommit, 1-4 rows per transaction.
+    // Over MariaDB's socket, not through the proxy.
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let written = Arc::new(AtomicI32::new(0));
-    let writer = {
-        let (socket, db, stop, written, mut rng) =
-            (m.socket.clone(), db.clone(), stop.clone(), written.clone(), Rng(rng.next()));
-        std::thread::spawn(move || {
-            use std::io::Write;
-            let mut child = std::process::Command::new("mariadb")
-                .args(["--no-defaults", "-S", &socket, "-u", "root", &db])
-                .stdin(std::process::Stdio::piped())
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .unwrap();
-            let mut input = child.stdin.take().unwrap();
-            let mut next = 0i32;
-            while !stop.load(Ordering::Relaxed) {
-                let n = rng.range(1, 5) as i32;
-                let rows: Vec<String> = (next..next + n).map(|i| format!("({i})")).collect();
-                writeln!(input, "INSERT INTO events VALUES {};", rows.join(", ")).unwrap();
-                input.flush().unwrap();
-                next += n;
-                written.store(next, Ordering::Release);
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            drop(input);
-            assert!(child.wait().unwrap().success(), "the writer's session failed");
-            next
-        })
-    };
+    let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let writer = m.writer(&db, 0, |i| format!("({i})"), stop.clone(), written.clone(), rng.next());
     subs.wait_for_rows(200, &host).await;
     until("ready", &host, Duration::from_secs(30), || host.ready() == Some(true)).await;
 
@@ -454,7 +408,7 @@ async fn a_silent_mariadb_link_is_noticed_and_replication_catches_up() {
     // Rows the writer had sent by now; the last ones may still be committing,
     // so count from a moment later.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let rows_at_heal = written.load(Ordering::Acquire).saturating_sub(8).max(0) as usize;
+    let rows_at_heal = written.load(Ordering::Acquire).saturating_sub(8) as usize;
     subs.wait_for_rows(rows_at_heal, &host).await;
     let caught_up = healed.elapsed();
     until("/readyz 200 again", &host, Duration::from_secs(60), || host.ready() == Some(true)).await;
@@ -492,22 +446,8 @@ async fn a_silent_mariadb_link_is_noticed_and_replication_catches_up() {
 async fn a_silent_subscriber_is_closed_and_its_memory_freed() {
     let dir = tempfile::tempdir().unwrap();
     let spec = LogSpec::new(Backend::Sqlite, dir.path());
-    let config = serde_json::json!({"rows_per_tx": ROWS, "rate": 500}).to_string();
-    let plugins = plugin_dir().display().to_string();
     let change_db = format!("sqlite:{}", spec.sqlite.display());
-    let mut host = Host::new(
-        dir.path(),
-        args(&[
-            "--source",
-            "mock-source",
-            "--source-config",
-            &config,
-            "--change-db",
-            &change_db,
-            "--plugins",
-            &plugins,
-        ]),
-    );
+    let mut host = Host::new(dir.path(), mock_host_args(500, &change_db, None, "sluice"));
     host.start(&[]);
     host.replica_version().await;
     let proxy = FaultProxy::start(host.addr.parse().unwrap()).await;

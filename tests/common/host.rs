@@ -69,12 +69,18 @@ impl Host {
 
     /// `GET path` as JSON, if the host answers.
     pub fn get(&self, path: &str) -> Option<serde_json::Value> {
+        serde_json::from_str(self.request(path)?.split_once("\r\n\r\n")?.1).ok()
+    }
+
+    /// The whole response to `GET path`, if the host answers.
+    fn request(&self, path: &str) -> Option<String> {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(&self.addr).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
         write!(s, "GET {path} HTTP/1.0\r\nHost: {}\r\n\r\n", self.addr).ok()?;
-        let mut body = String::new();
-        s.read_to_string(&mut body).ok()?;
-        serde_json::from_str(body.split_once("\r\n\r\n")?.1).ok()
+        let mut text = String::new();
+        s.read_to_string(&mut text).ok()?;
+        Some(text)
     }
 
     /// The replica version the host reports, once its source has opened.
@@ -91,14 +97,8 @@ impl Host {
 
     /// Whether `GET /readyz` answers 200 (`None` while nothing answers).
     pub fn ready(&self) -> Option<bool> {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(&self.addr).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        write!(s, "GET /readyz HTTP/1.0\r\nHost: {}\r\n\r\n", self.addr).ok()?;
-        let mut text = String::new();
-        s.read_to_string(&mut text).ok()?;
-        let code = text.split_whitespace().nth(1)?;
-        Some(code == "200")
+        let response = self.request("/readyz")?;
+        Some(response.split_whitespace().nth(1)? == "200")
     }
 
     /// The tail of the host's log, for a failure message.

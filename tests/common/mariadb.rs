@@ -83,6 +83,49 @@ impl Maria {
         })
     }
 
+    /// A writer: one client session over the root socket, fed statement by
+    /// statement (autocommit), inserting 1-4 rows per transaction into
+    /// `db.events` a few milliseconds apart, with ids from `first` on and
+    /// `row(id)` as each row's values, until `stop`. `written` follows the
+    /// next id to write; the thread returns it once its session has ended,
+    /// when everything it sent has committed.
+    pub fn writer(
+        &self,
+        db: &str,
+        first: u64,
+        row: fn(u64) -> String,
+        stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        written: std::sync::Arc<std::sync::atomic::AtomicU64>,
+        seed: u64,
+    ) -> std::thread::JoinHandle<u64> {
+        use std::sync::atomic::Ordering;
+        let (socket, db) = (self.socket.clone(), db.to_string());
+        std::thread::spawn(move || {
+            use std::io::Write;
+            let mut rng = super::process::Rng(seed);
+            let mut child = Command::new("mariadb")
+                .args(["--no-defaults", "-S", &socket, "-u", "root", &db])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            let mut input = child.stdin.take().unwrap();
+            let mut next = first;
+            while !stop.load(Ordering::Relaxed) {
+                let n = rng.range(1, 5);
+                let rows: Vec<String> = (next..next + n).map(row).collect();
+                writeln!(input, "INSERT INTO events VALUES {};", rows.join(", ")).unwrap();
+                input.flush().unwrap();
+                next += n;
+                written.store(next, Ordering::Release);
+                std::thread::sleep(Duration::from_millis(rng.range(1, 6)));
+            }
+            drop(input);
+            assert!(child.wait().unwrap().success(), "the writer's session failed");
+            next
+        })
+    }
+
     /// Each row of `SELECT JSON_OBJECT(...)` as JSON, keyed like the
     /// replica keys its rows (by the first column named, the primary key).
     pub fn rows(&self, table: &str, columns: &[&str]) -> std::collections::BTreeMap<String, serde_json::Value> {
