@@ -477,17 +477,7 @@ async fn chaos_mariadb_source_under_writes() {
     let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let writer = m.writer(&db, 100, |i| format!("({i}, (1 << 63) + {i})"), stop.clone(), written, rng.next());
     let kills = kill_loop(&mut host, &mut rng, run_for, |_| Vec::new()).await;
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let rows = tokio::task::spawn_blocking(move || writer.join().unwrap()).await.unwrap();
-    let upstream: Vec<i64> =
-        m.sql(&format!("SELECT id FROM {db}.events ORDER BY id")).lines().map(|l| l.parse().unwrap()).collect();
-    assert_eq!(upstream, (0..rows as i64).collect::<Vec<_>>(), "the upstream table holds what was written");
-    subs.wait_for_rows(rows as usize, &host).await;
-    let seen = subs.stop().await;
-    host.kill();
-    let txs = each_row_exactly_once(&seen, &upstream);
-    spec.assert_whole().await;
-    m.sql(&format!("DROP DATABASE {db}"));
+    let (rows, txs) = finish_maria_run(&m, &db, &stop, writer, subs, &mut host, &spec).await;
     println!(
         "chaos mariadb-source/sqlite: {kills} kills, {} starts, {rows} upstream rows in {} and {} transactions \
          checked against the MariaDB table at the two subscribers: none lost or duplicated",

@@ -414,17 +414,7 @@ async fn a_silent_mariadb_link_is_noticed_and_replication_catches_up() {
     until("/readyz 200 again", &host, Duration::from_secs(60), || host.ready() == Some(true)).await;
     let ready_again = healed.elapsed();
 
-    stop.store(true, Ordering::Relaxed);
-    let rows = tokio::task::spawn_blocking(move || writer.join().unwrap()).await.unwrap();
-    let upstream: Vec<i64> =
-        m.sql(&format!("SELECT id FROM {db}.events ORDER BY id")).lines().map(|l| l.parse().unwrap()).collect();
-    assert_eq!(upstream, (0..rows as i64).collect::<Vec<_>>(), "the upstream table holds what was written");
-    subs.wait_for_rows(rows as usize, &host).await;
-    let seen = subs.stop().await;
-    host.kill();
-    let txs = each_row_exactly_once(&seen, &upstream);
-    spec.assert_whole().await;
-    m.sql(&format!("DROP DATABASE {db}"));
+    let (rows, txs) = finish_maria_run(&m, &db, &stop, writer, subs, &mut host, &spec).await;
     println!(
         "network mariadb partition of {:.1} s: noticed (/readyz 503) after {:.1} s, the subscribers had the rows \
          written before the heal {:.1} s and /readyz 200 {:.1} s after it; {rows} rows in {} and {} transactions \

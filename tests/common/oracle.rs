@@ -249,3 +249,31 @@ pub async fn check_mock_run(seen: &[Arc<Mutex<Seen>>], spec: &LogSpec) -> (Vec<u
     assert_eq!(stored, expected, "the change log skips or repeats a transaction");
     (checked, stored)
 }
+
+/// Ends a MariaDB run: stops `writer` (see [`super::mariadb::Maria::writer`]),
+/// checks that `db.events` holds exactly the ids written, waits for the
+/// subscribers to have every row, stops `host`, and checks each row reached
+/// each subscriber exactly once and the log holds whole transactions.
+/// Returns the rows written and the transactions each subscriber saw.
+pub async fn finish_maria_run(
+    m: &super::mariadb::Maria,
+    db: &str,
+    stop: &std::sync::atomic::AtomicBool,
+    writer: std::thread::JoinHandle<u64>,
+    subs: Subscribers,
+    host: &mut Host,
+    spec: &LogSpec,
+) -> (u64, Vec<usize>) {
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let rows = tokio::task::spawn_blocking(move || writer.join().unwrap()).await.unwrap();
+    let upstream: Vec<i64> =
+        m.sql(&format!("SELECT id FROM {db}.events ORDER BY id")).lines().map(|l| l.parse().unwrap()).collect();
+    assert_eq!(upstream, (0..rows as i64).collect::<Vec<_>>(), "the upstream table holds what was written");
+    subs.wait_for_rows(rows as usize, host).await;
+    let seen = subs.stop().await;
+    host.kill();
+    let txs = each_row_exactly_once(&seen, &upstream);
+    spec.assert_whole().await;
+    m.sql(&format!("DROP DATABASE {db}"));
+    (rows, txs)
+}
