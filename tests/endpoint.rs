@@ -406,6 +406,34 @@ async fn health_readiness_and_json_logs() {
     }
 }
 
+/// With JSON logs, the line that says why Sluice stopped is JSON too (a log
+/// collector drops what does not parse): a second writer on a SQLite log
+/// exits 2 with every stderr line one JSON object, the last an error that
+/// names the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_error_is_a_json_line_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = Host::start_with(tempfile::tempdir().unwrap(), &[]);
+    let log_db = first._dir.path().join("log.db");
+    let out = sluice()
+        .args(["run", "--log-format", "json", "--source", "mock-source", "--listen", &free_addr()])
+        .arg("--plugins")
+        .arg(common::plugin_dir())
+        .arg("--change-db")
+        .arg(format!("sqlite:{}", log_db.display()))
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<serde_json::Value> =
+        stderr.lines().map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"))).collect();
+    let last = lines.last().expect("a line");
+    assert_eq!(last["level"], "ERROR", "{last}");
+    let message = last["fields"]["message"].as_str().unwrap();
+    assert!(message.contains("is being written by another Sluice") && message.contains("log.db"), "{message}");
+}
+
 /// SIGTERM: every subscriber gets a close frame with 1001 (going away), the
 /// storer finishes, and the process exits 0 by itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

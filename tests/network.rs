@@ -6,7 +6,8 @@
 //! subscribers exactly once (the crash suite's oracle).
 //!
 //! Times are measured and printed, never asserted. `make test` partitions
-//! for `SLUICE_PARTITION_SECS` (default 12); `make chaos` for longer.
+//! for `SLUICE_PARTITION_SECS` (default 12); `make chaos` for longer. Each
+//! cut lands at a random moment; `SLUICE_CHAOS_SEED` replays a run.
 
 #[macro_use]
 mod common;
@@ -21,6 +22,12 @@ use common::host::{stored_watermark, Host};
 use common::oracle::*;
 use common::process::Rng;
 use common::*;
+
+/// Waits 0-1.5 s (from the run's seed), so the cut lands at a different
+/// point of the stream each run.
+async fn at_a_random_moment(rng: &mut Rng) {
+    tokio::time::sleep(Duration::from_millis(rng.range(0, 1500))).await;
+}
 
 /// How long each partition lasts.
 fn partition() -> Duration {
@@ -112,6 +119,7 @@ async fn a_silent_change_db_link_is_noticed_and_storage_resumes_after_it() {
     })
     .await;
 
+    at_a_random_moment(&mut rng).await;
     proxy.set(Link::Blackhole);
     let noticed = until("/readyz 503 while the change DB is silent", &host, Duration::from_secs(30), || {
         host.ready() == Some(false)
@@ -305,6 +313,7 @@ async fn a_silent_upstream_link_is_noticed_and_replication_catches_up() {
     subs.wait_for_rows(200, &host).await;
     until("ready", &host, Duration::from_secs(30), || host.ready() == Some(true)).await;
 
+    at_a_random_moment(&mut rng).await;
     proxy.set(Link::Blackhole);
     let noticed = until("/readyz 503 while the upstream is silent", &host, Duration::from_secs(30), || {
         host.ready() == Some(false)
@@ -398,6 +407,7 @@ async fn a_silent_mariadb_link_is_noticed_and_replication_catches_up() {
     subs.wait_for_rows(200, &host).await;
     until("ready", &host, Duration::from_secs(30), || host.ready() == Some(true)).await;
 
+    at_a_random_moment(&mut rng).await;
     proxy.set(Link::Blackhole);
     let noticed =
         until("/readyz 503 while MariaDB is silent", &host, Duration::from_secs(30), || host.ready() == Some(false))
@@ -434,6 +444,7 @@ async fn a_silent_mariadb_link_is_noticed_and_replication_catches_up() {
 /// healthy link goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_subscriber_is_closed_and_its_memory_freed() {
+    let mut rng = Rng::from_env("SLUICE_CHAOS_SEED", "network silent subscriber");
     let dir = tempfile::tempdir().unwrap();
     let spec = LogSpec::new(Backend::Sqlite, dir.path());
     let change_db = format!("sqlite:{}", spec.sqlite.display());
@@ -441,7 +452,7 @@ async fn a_silent_subscriber_is_closed_and_its_memory_freed() {
     host.start(&[]);
     host.replica_version().await;
     let proxy = FaultProxy::start(host.addr.parse().unwrap()).await;
-    let healthy = Subscribers::start(&host.addr, Arc::new(Mutex::new("00".into())), 1);
+    let healthy = Subscribers::start(&host.addr, Arc::new(Mutex::new("00".into())), rng.next());
     let url = format!(
         "ws://{}/replication/v6/changes?id=silent&taskID=silent&replicaVersion=00&watermark=00",
         proxy.host_port()
@@ -462,6 +473,7 @@ async fn a_silent_subscriber_is_closed_and_its_memory_freed() {
     });
     let subscribers = |host: &Host| host.status().and_then(|s| s["subscribers"].as_u64()).unwrap_or(0);
     until("both subscribers served", &host, Duration::from_secs(30), || subscribers(&host) >= 3).await;
+    at_a_random_moment(&mut rng).await;
     proxy.set(Link::Blackhole);
     let closed = until("the silent subscriber closed", &host, Duration::from_secs(60), || {
         host.status().is_some_and(|s| {
@@ -496,6 +508,7 @@ async fn a_silent_subscriber_is_closed_and_its_memory_freed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_custom_upstream_link_is_noticed_and_replication_resumes() {
     use custom_upstream::{event, snapshot, Tx, Upstream, SNAPSHOT};
+    let mut rng = Rng::from_env("SLUICE_CHAOS_SEED", "network custom-upstream partition");
     let wm = |i: u32| format!("1{i:04}");
     let up = Upstream::start(snapshot(2)).await;
     let proxy = FaultProxy::start(up.addr).await;
@@ -531,6 +544,7 @@ async fn a_silent_custom_upstream_link_is_noticed_and_replication_resumes() {
     let ready = |s: &sluice::status::Status| s.readiness(Duration::from_secs(30)).is_ok();
     assert!(ready(&sluice.status), "ready before the fault");
 
+    at_a_random_moment(&mut rng).await;
     proxy.set(Link::Blackhole);
     let cut = Instant::now();
     for i in 6..=10 {
