@@ -85,11 +85,17 @@ impl PgSettings {
             client.batch_execute(&settings).await.context("setting up the change DB session")
         })
         .await?;
-        // PostgreSQL 14 and later also notice a vanished client during a long
-        // statement; older servers do not know the setting.
-        let check = "SET client_connection_check_interval = 2000";
-        let _ =
-            within(self.call_timeout, "setting up the session", async { Ok(client.batch_execute(check).await) }).await;
+        // Newer servers also bound unacknowledged sends (12 and later) and
+        // notice a vanished client during a long statement (14 and later);
+        // older ones do not know the settings, and do without.
+        let newer = [
+            format!("SET tcp_user_timeout = {}", pgconn::conninfo::TCP_USER_TIMEOUT.as_millis()),
+            "SET client_connection_check_interval = 2000".to_string(),
+        ];
+        for sql in newer {
+            let _ = within(self.call_timeout, "setting up the session", async { Ok(client.batch_execute(&sql).await) })
+                .await;
+        }
         Ok(client)
     }
 
@@ -110,19 +116,18 @@ impl PgSettings {
 }
 
 /// Session settings with which the server itself notices a client whose
-/// machine died (TCP keepalive and `tcp_user_timeout` on the server's end),
-/// and gives up waiting for a lock before the client gives up waiting for
+/// machine died (TCP keepalive on the server's end; `tcp_user_timeout` is
+/// set where the server has it), and gives up waiting for a lock before the client gives up waiting for
 /// the server, so the error says who holds it.
 fn server_side_liveness(call_timeout: Duration) -> String {
     let lock_wait = call_timeout.saturating_sub(Duration::from_secs(1)).max(Duration::from_millis(500));
     format!(
         "SET lock_timeout = {}; SET tcp_keepalives_idle = {}; SET tcp_keepalives_interval = {}; \
-         SET tcp_keepalives_count = {}; SET tcp_user_timeout = {}",
+         SET tcp_keepalives_count = {}",
         lock_wait.as_millis(),
         pgconn::conninfo::KEEPALIVES_IDLE.as_secs(),
         pgconn::conninfo::KEEPALIVES_INTERVAL.as_secs(),
         pgconn::conninfo::KEEPALIVES_RETRIES,
-        pgconn::conninfo::TCP_USER_TIMEOUT.as_millis(),
     )
 }
 
