@@ -457,10 +457,22 @@ async fn sigterm_closes_subscribers_with_going_away_and_exits_zero() {
     assert!(host.log_text().contains("stopped"), "{}", host.log_text());
 }
 
+/// How a reader of [`read_to_close`] behaves.
+#[derive(Clone, Copy, PartialEq)]
+enum Reader {
+    /// A subscriber acking every message, reading at a modest pace.
+    Slow,
+    /// A subscriber acking every message as fast as it comes.
+    Fast,
+    /// A zero-cache on `/changes/v0/stream`: it reads and sends nothing
+    /// (it reports its position only once it has stored a commit).
+    Consumer,
+}
+
 /// A subscriber that reads on until the connection ends and reports how it
 /// ended: the close frame's code and reason, and whether the TCP connection
 /// then ended cleanly (end of stream, no reset).
-async fn read_to_close(mut client: Client, slow: bool) -> (u16, String, bool) {
+async fn read_to_close(mut client: Client, reader: Reader) -> (u16, String, bool) {
     use futures::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message as Ws;
     let mut closed = None;
@@ -474,8 +486,10 @@ async fn read_to_close(mut client: Client, slow: bool) -> (u16, String, bool) {
             Some(Ok(Ws::Text(t))) => {
                 read += 1;
                 let v: serde_json::Value = serde_json::from_str(&t).unwrap();
-                let _ = client.ws.send(Ws::Text(format!("{{\"ack\":{}}}", v["id"]).into())).await;
-                if slow && read.is_multiple_of(20) {
+                if reader != Reader::Consumer {
+                    let _ = client.ws.send(Ws::Text(format!("{{\"ack\":{}}}", v["id"]).into())).await;
+                }
+                if reader == Reader::Slow && read.is_multiple_of(20) {
                     // A catch-up read at a modest pace: it is still running at the signal.
                     tokio::time::sleep(Duration::from_millis(15)).await;
                 }
@@ -497,7 +511,8 @@ async fn read_to_close(mut client: Client, slow: bool) -> (u16, String, bool) {
 }
 
 /// SIGTERM with subscribers live and catching up (reading a long backlog at
-/// a modest pace), twice in a row, the second time with the signal sent
+/// a modest pace) and a zero-cache on the custom change-source endpoint,
+/// twice in a row, the second time with the signal sent
 /// twice a few milliseconds apart (a repeat within a second is the same
 /// request): every subscriber receives 1001 and a clean end of stream, and
 /// Sluice exits 0 each time.
@@ -525,7 +540,7 @@ async fn sigterm_reaches_live_and_catching_up_subscribers_alike() {
         // at the signal.
         for _ in 0..2 {
             let client = host.subscribe("", bearer()).await.unwrap();
-            readers.push(tokio::spawn(read_to_close(client, true)));
+            readers.push(tokio::spawn(read_to_close(client, Reader::Slow)));
         }
         // Two from the head: live at the signal.
         let head =
@@ -538,8 +553,17 @@ async fn sigterm_reaches_live_and_catching_up_subscribers_alike() {
             let mut request = url.into_client_request().unwrap();
             request.headers_mut().insert("authorization", bearer().unwrap().parse().unwrap());
             let (ws, _) = tokio_tungstenite::connect_async(request).await.unwrap();
-            readers.push(tokio::spawn(read_to_close(Client { ws }, false)));
+            readers.push(tokio::spawn(read_to_close(Client { ws }, Reader::Fast)));
         }
+        // A zero-cache resuming on the custom change-source endpoint.
+        let url = format!(
+            "ws://{}/changes/v0/stream?appID=zero&shardNum=0&lastWatermark={head}&replicaVersion=00",
+            host.addr
+        );
+        let mut request = url.into_client_request().unwrap();
+        request.headers_mut().insert("authorization", bearer().unwrap().parse().unwrap());
+        let (ws, _) = tokio_tungstenite::connect_async(request).await.unwrap();
+        readers.push(tokio::spawn(read_to_close(Client { ws }, Reader::Consumer)));
         // Let every reader get going.
         tokio::time::sleep(Duration::from_millis(300)).await;
         let pid = host.child.id().to_string();
@@ -550,7 +574,7 @@ async fn sigterm_reaches_live_and_catching_up_subscribers_alike() {
         }
         for (i, reader) in readers.into_iter().enumerate() {
             let (code, reason, clean) = reader.await.unwrap();
-            let kind = if i < 2 { "catching up" } else { "live" };
+            let kind = ["catching up", "catching up", "live", "live", "zero-cache on /changes/v0/stream"][i];
             assert_eq!(
                 (code, reason.as_str(), clean),
                 (1001, "Sluice is shutting down", true),
