@@ -334,7 +334,7 @@ async fn pump<S: Io>(
         tokio::select! {
             biased;
             _ = &mut stopping => {
-                socket.close(1001, super::SHUTTING_DOWN).await;
+                socket.close_gracefully(1001, super::SHUTTING_DOWN).await;
                 return "Sluice is shutting down".into();
             }
             _ = ping.tick() => {

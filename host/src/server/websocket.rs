@@ -188,15 +188,22 @@ impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> Socket<S> {
         self.write.extend_from_slice(&reason.as_bytes()[..end]);
     }
 
-    /// Sends a close frame after what is queued, then ends the connection
-    /// cleanly: the write side is shut (a FIN after the close frame) and
-    /// whatever the peer still sends (acks in flight, its answering close)
-    /// is read and dropped until it closes too, for up to two seconds.
-    /// Dropped with unread data, a socket is reset by the kernel, and a
-    /// reset discards what was still unsent: the close frame among it.
+    /// Sends a close frame after what is queued.
     pub async fn close(&mut self, code: u16, reason: &str) {
         self.queue_close(code, reason);
         self.flush_before_end().await;
+    }
+
+    /// [`Socket::close`], then ends the connection cleanly, as a shutdown
+    /// must for every peer: the write side is shut (a FIN after the close
+    /// frame) and whatever the peer still sends (acks in flight, its
+    /// answering close) is read and dropped until it closes too, for up to
+    /// two seconds. Dropped with unread data, a socket is reset by the
+    /// kernel, and a reset discards what was still unsent: the close frame
+    /// among it. (Other closes do not wait: a subscriber closed for its
+    /// limits is unregistered, and its memory released, at once.)
+    pub async fn close_gracefully(&mut self, code: u16, reason: &str) {
+        self.close(code, reason).await;
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), async {
             let _ = self.io.shutdown().await;
             let mut discard = [0u8; 4096];
