@@ -35,9 +35,10 @@ impl Drop for Host {
 }
 
 impl Host {
-    /// The mock source at 200 tx/s, settings from a file, the token from
-    /// the environment, the listen address on the command line (the file
-    /// names another, which must lose).
+    /// The mock source at 200 tx/s, settings from a file (the source's
+    /// configuration as a TOML table), the token from the environment, the
+    /// listen address on the command line (the file names another, which
+    /// must lose).
     fn start() -> Host {
         Host::start_with(tempfile::tempdir().unwrap(), &[])
     }
@@ -47,16 +48,16 @@ impl Host {
         let config = dir.path().join("sluice.toml");
         std::fs::write(
             &config,
-            format!(
-                "listen = \"127.0.0.1:1\"\nmax-connections = 3\nallow-filter = [\"redact\"]\nsource_config = '{}'\n",
-                serde_json::json!({"rate": 200, "rows_per_tx": 2})
-            ),
+            "listen = \"127.0.0.1:1\"\nmax-connections = 3\nallow-filter = [\"redact\"]\n\
+             [source_config]\nrate = 200\nrows_per_tx = 2\n",
         )
         .unwrap();
         let log = dir.path().join("sluice.log");
+        // `--config` before the subcommand, as a global flag may be.
         let child = sluice()
-            .args(["run", "--source", "mock-source", "--listen", &addr, "--config"])
+            .arg("--config")
             .arg(&config)
+            .args(["run", "--source", "mock-source", "--listen", &addr])
             .args(if extra.iter().any(|a| a == "--plugins") {
                 vec![]
             } else {
@@ -415,8 +416,13 @@ async fn the_last_error_is_a_json_line_too() {
     let dir = tempfile::tempdir().unwrap();
     let first = Host::start_with(tempfile::tempdir().unwrap(), &[]);
     let log_db = first._dir.path().join("log.db");
+    // The log format from the file, as any global flag may come.
+    let config = dir.path().join("sluice.toml");
+    std::fs::write(&config, "log-format = \"json\"\n").unwrap();
     let out = sluice()
-        .args(["run", "--log-format", "json", "--source", "mock-source", "--listen", &free_addr()])
+        .args(["run", "--config"])
+        .arg(&config)
+        .args(["--source", "mock-source", "--listen", &free_addr()])
         .arg("--plugins")
         .arg(common::plugin_dir())
         .arg("--change-db")

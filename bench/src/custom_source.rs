@@ -5,10 +5,9 @@
 //! path inside the sandbox.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use sluice::plugin::{Registry, SandboxLimits};
-use sluice::storage::sqlite::{Durability, SqliteChangeLog};
+use sluice::storage::sqlite::Durability;
 
 use custom_upstream::{Tx, Upstream};
 
@@ -70,9 +69,8 @@ async fn one(
         .await
         .map_err(anyhow::Error::msg)?;
     let db = tmp.join(format!("custom-{rows}-{row_bytes}.db"));
-    let log = Box::new(SqliteChangeLog::open(&db, Durability::Full)?);
-    let reader = Arc::new(sluice::storage::sqlite::SqliteReader::new(&db));
-    let (service, secs) = super::store_until(Box::new(source), log, reader, &watermark(txs)).await?;
+    let log = sluice::storage::open::LogStore::sqlite(db).open(false)?;
+    let (service, secs) = super::store_until(Box::new(source), log.writer, log.reader, &watermark(txs)).await?;
     let status = service.status().clone();
     service.stop().await?;
     up.shutdown();

@@ -12,7 +12,8 @@ use sluice::plugin::{NetGrant, Registry, SandboxLimits};
 use sluice::service::{Service, ServiceConfig};
 use sluice::source::ChangeSource;
 use sluice::status::Status;
-use sluice::storage::sqlite::{Durability, SqliteChangeLog};
+use sluice::storage::open::{ChangeDb, LogStore, StoreOptions};
+use sluice::storage::sqlite::Durability;
 use sluice::storage::{ChangeLog, LogReader};
 
 mod custom_source;
@@ -152,15 +153,11 @@ async fn main() -> anyhow::Result<()> {
     if run("catchup") {
         println!("\n## Catch-up: one subscriber replaying the change log");
         let db = tmp.join("catchup.db");
-        let sqlite = SqliteChangeLog::open(&db, Durability::Normal)?;
-        catchup(&registry, "SQLite", Box::new(sqlite), Arc::new(sluice::storage::sqlite::SqliteReader::new(&db)))
-            .await?;
+        let log = LogStore::Sqlite { path: db, durability: Durability::Normal }.open(false)?;
+        catchup(&registry, "SQLite", log.writer, log.reader).await?;
         if let Some(url) = &pg_url {
-            use sluice::storage::postgres::{PostgresChangeLog, PostgresReader};
-            let settings = pg_settings(url, "benchcatchup");
-            let rt = tokio::runtime::Handle::current();
-            let log = tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?;
-            catchup(&registry, "Postgres", Box::new(log), Arc::new(PostgresReader::new(settings, rt))).await?;
+            let log = tokio::task::block_in_place(|| pg_store(url, "benchcatchup").open(false))?;
+            catchup(&registry, "Postgres", log.writer, log.reader).await?;
         }
     }
     let _ = std::fs::remove_dir_all(&tmp);
@@ -181,11 +178,9 @@ async fn tls_cost(registry: &std::sync::Arc<Registry>, tmp: &Path, url: &str) ->
         println!("\n## TLS cost, sslmode={mode}: mock source -> Postgres change DB, durable changes/s");
         store_pg(registry, tmp, &url, 10, 100, false).await?;
         println!("\n## TLS cost, sslmode={mode}: catch-up from the Postgres change DB");
-        use sluice::storage::postgres::{PostgresChangeLog, PostgresReader};
-        let settings = pg_settings(&url, &format!("benchtls{}", mode.replace('-', "")));
-        let rt = tokio::runtime::Handle::current();
-        let log = tokio::task::block_in_place(|| PostgresChangeLog::open(settings.clone(), rt.clone()))?;
-        catchup(registry, "Postgres", Box::new(log), Arc::new(PostgresReader::new(settings, rt))).await?;
+        let store = pg_store(&url, &format!("benchtls{}", mode.replace('-', "")));
+        let log = tokio::task::block_in_place(|| store.open(false))?;
+        catchup(registry, "Postgres", log.writer, log.reader).await?;
         println!("\n## TLS cost, sslmode={mode}: Postgres source (pgoutput) -> SQLite change log -> 1 subscriber");
         pg_source::run_with(url.split('?').next().unwrap_or(url.as_str()), tmp, Some(mode)).await?;
     }
@@ -659,10 +654,9 @@ async fn store_with(
             std::fs::remove_file(&leftover)?;
         }
     }
-    let log = Box::new(SqliteChangeLog::open(&db, durability)?.with_table_state(table_state)?);
-    let reader = Arc::new(sluice::storage::sqlite::SqliteReader::new(&db));
+    let log = LogStore::Sqlite { path: db.clone(), durability }.open(table_state)?;
     let last = sluice::watermark::to_lexi(txs as u128);
-    let (service, secs) = store_until(Box::new(source), log, reader, &last).await?;
+    let (service, secs) = store_until(Box::new(source), log.writer, log.reader, &last).await?;
     let status = service.status().clone();
     service.stop().await?;
     let bytes =
@@ -678,17 +672,10 @@ async fn store_with(
     Ok(())
 }
 
-fn pg_settings(url: &str, app_id: &str) -> sluice::storage::postgres::PgSettings {
-    sluice::storage::postgres::PgSettings {
-        target: sluice::pgconn::PgTarget::parse(url).expect("a Postgres URL"),
-        app_id: app_id.to_string(),
-        shard_num: 0,
-        task_id: "sluice".into(),
-        statement_timeout: Duration::from_secs(20),
-        call_timeout: sluice::storage::postgres::DEFAULT_CALL_TIMEOUT,
-        application_name: "zero-change-streamer".into(),
-        synchronous_commit: true,
-    }
+/// A Postgres change DB log in schema `<app_id>_0/cdc`, with `sluice run`'s options.
+fn pg_store(url: &str, app_id: &str) -> LogStore {
+    let target = sluice::pgconn::PgTarget::parse(url).expect("a Postgres URL");
+    ChangeDb::Postgres(Box::new(target)).store(&StoreOptions { app_id: app_id.to_string(), ..StoreOptions::default() })
 }
 
 async fn store_pg(
@@ -699,7 +686,6 @@ async fn store_pg(
     row_bytes: usize,
     table_state: bool,
 ) -> anyhow::Result<()> {
-    use sluice::storage::postgres::{PostgresChangeLog, PostgresReader};
     let txs: u64 = (if row_bytes > 512 { 100_000 } else { 200_000 } / rows as u64).clamp(2_000, 50_000);
     let config = serde_json::json!({"transactions": txs, "rows_per_tx": rows, "row_bytes": row_bytes}).to_string();
     let source = registry
@@ -708,14 +694,10 @@ async fn store_pg(
         .map_err(anyhow::Error::msg)?;
     // One schema per shape, table state and TLS, so no run finds another's log.
     let tls = if url.contains("sslmode=require") { "tls" } else { "" };
-    let settings = pg_settings(url, &format!("bench{rows}x{row_bytes}{}{tls}", if table_state { "s" } else { "" }));
-    let rt = tokio::runtime::Handle::current();
-    let log = Box::new(tokio::task::block_in_place(|| {
-        PostgresChangeLog::open(settings.clone(), rt.clone())?.with_table_state(table_state)
-    })?);
-    let reader = Arc::new(PostgresReader::new(settings, rt));
+    let store = pg_store(url, &format!("bench{rows}x{row_bytes}{}{tls}", if table_state { "s" } else { "" }));
+    let log = tokio::task::block_in_place(|| store.open(table_state))?;
     let last = sluice::watermark::to_lexi(txs as u128);
-    let (service, secs) = store_until(Box::new(source), log, reader, &last).await?;
+    let (service, secs) = store_until(Box::new(source), log.writer, log.reader, &last).await?;
     let status = service.status().clone();
     service.stop().await?;
     let _ = tmp;

@@ -4,12 +4,14 @@
 //! (durable change log in `storage`) and through `hub` / `forwarder` to each
 //! `subscriber`, whose frames leave through `server` (optionally through a
 //! `filter` chain). Plugins sit at the edge in `plugin`. `service` assembles
-//! them into a running change streamer.
+//! them into a running change streamer from one typed `settings::Settings`;
+//! `cli` is the command line over it.
 
 pub mod admin;
 pub mod catchup;
 pub mod change;
 pub mod cleanup;
+pub mod cli;
 pub mod filter;
 pub mod forwarder;
 pub mod hub;
@@ -19,7 +21,7 @@ pub mod plugin;
 pub mod reservations;
 pub mod server;
 pub mod service;
-pub mod settings_file;
+pub mod settings;
 pub mod source;
 pub mod status;
 pub mod storage;

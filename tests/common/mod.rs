@@ -23,8 +23,8 @@ use rusqlite::Connection;
 use sluice::plugin::{NetGrant, Registry, SandboxLimits};
 use sluice::service::{Service, ServiceConfig};
 use sluice::status::Status;
-use sluice::storage::postgres::{PgSettings, PostgresChangeLog, PostgresReader};
-use sluice::storage::sqlite::{Durability, SqliteChangeLog, SqliteReader};
+use sluice::storage::open::LogStore;
+use sluice::storage::postgres::PgSettings;
 use sluice::storage::{ChangeLog, LogReader};
 use sluice::streamer::StreamerOptions;
 use tokio::sync::watch;
@@ -179,33 +179,24 @@ impl LogSpec {
         .unwrap()
     }
 
-    /// A reader of the log (no writer).
-    pub fn reader(&self) -> Arc<dyn LogReader> {
+    /// The store, as `sluice run` opens it.
+    pub fn store(&self) -> LogStore {
         match &self.pg {
-            None => Arc::new(SqliteReader::new(&self.sqlite)),
-            Some(pg) => Arc::new(PostgresReader::new(pg.clone(), tokio::runtime::Handle::current())),
+            None => LogStore::sqlite(&self.sqlite),
+            Some(pg) => LogStore::postgres(pg.clone()),
         }
     }
 
+    /// A reader of the log (no writer).
+    pub fn reader(&self) -> Arc<dyn LogReader> {
+        self.store().reader().unwrap()
+    }
+
+    /// The log's writer and a reader. The tests keep the table state, so
+    /// every run also exercises it.
     pub fn open(&self) -> (Box<dyn ChangeLog>, Arc<dyn LogReader>) {
-        match &self.pg {
-            None => (
-                // The tests keep the table state, so every SQLite-backed run
-                // also exercises it.
-                Box::new(
-                    SqliteChangeLog::open(&self.sqlite, Durability::Full).unwrap().with_table_state(true).unwrap(),
-                ),
-                Arc::new(SqliteReader::new(&self.sqlite)),
-            ),
-            Some(pg) => {
-                let rt = tokio::runtime::Handle::current();
-                let log = tokio::task::block_in_place(|| {
-                    PostgresChangeLog::open(pg.clone(), rt.clone())?.with_table_state(true)
-                })
-                .unwrap();
-                (Box::new(log), Arc::new(PostgresReader::new(pg.clone(), rt)))
-            }
-        }
+        let log = tokio::task::block_in_place(|| self.store().open(true)).unwrap();
+        (log.writer, log.reader)
     }
 
     pub async fn pg_client(&self) -> sluice::pgconn::PgClient {

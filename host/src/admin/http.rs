@@ -80,3 +80,37 @@ async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, request: &st
     }
     Ok(String::from_utf8_lossy(&raw).into_owned())
 }
+
+/// `sluice health [--ready]`: an error (exit 2) unless the answer is 200.
+pub async fn health(endpoint: &Endpoint, ready: bool) -> anyhow::Result<()> {
+    let path = if ready { "/readyz" } else { "/healthz" };
+    let answer = endpoint.request("GET", path).await?;
+    anyhow::ensure!(answer.status == 200, "{path}: {} {}", answer.status, answer.body.trim());
+    println!("{}", answer.body.trim());
+    Ok(())
+}
+
+/// `sluice reload`: `POST /plugins/reload`, and what it changed.
+pub async fn reload(endpoint: &Endpoint) -> anyhow::Result<()> {
+    let answer = endpoint.request("POST", "/plugins/reload").await?;
+    anyhow::ensure!(answer.status == 200, "{} answered {}: {}", endpoint.url, answer.status, answer.body.trim());
+    let report: serde_json::Value = serde_json::from_str(&answer.body).context("parsing the answer")?;
+    let names = |key: &str| -> Vec<String> {
+        report[key].as_array().into_iter().flatten().filter_map(|v| v.as_str().map(str::to_string)).collect()
+    };
+    let mut said = false;
+    for (key, what) in [("added", "added"), ("replaced", "replaced"), ("removed", "removed")] {
+        for name in names(key) {
+            println!("{what:<9} {name}");
+            said = true;
+        }
+    }
+    for refused in report["refused"].as_array().into_iter().flatten() {
+        println!("refused   {}: {}", refused["name"].as_str().unwrap_or("?"), refused["error"].as_str().unwrap_or("?"));
+        said = true;
+    }
+    if !said {
+        println!("unchanged");
+    }
+    Ok(())
+}

@@ -2,22 +2,14 @@
 //! rest, in either store, without a running Sluice.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::Context;
 use serde::Serialize;
 
 use crate::pgconn::PgTarget;
+use crate::storage::open::LogStore;
 use crate::storage::postgres::quote_ident;
-
-/// Where a change log lives, as `--change-db` names it.
-pub enum LogPlace {
-    Sqlite(PathBuf),
-    /// A Postgres change DB and the schema (`<app-id>_<shard-num>/cdc`).
-    Postgres {
-        target: Box<PgTarget>,
-        schema: String,
-    },
-}
 
 /// What `sluice log inspect` reports.
 #[derive(Debug, Default, Serialize)]
@@ -49,52 +41,74 @@ pub struct TableCount {
     pub deletes: u64,
 }
 
-impl LogPlace {
-    pub fn describe(&self) -> String {
-        match self {
-            LogPlace::Sqlite(path) => format!("SQLite {}", path.display()),
-            LogPlace::Postgres { target, schema } => format!("Postgres schema {schema} at {}", target.describe()),
+/// `sluice log inspect`: what the log holds, read in one snapshot.
+pub async fn inspect(store: &LogStore) -> anyhow::Result<LogReport> {
+    match store {
+        LogStore::Sqlite { path, .. } => {
+            let path = path.clone();
+            tokio::task::spawn_blocking(move || inspect_sqlite(&path)).await?
         }
+        LogStore::Postgres { settings, .. } => inspect_postgres(&settings.target, &settings.schema_name()).await,
     }
+}
 
-    pub async fn inspect(&self) -> anyhow::Result<LogReport> {
-        match self {
-            LogPlace::Sqlite(path) => {
-                let path = path.clone();
-                tokio::task::spawn_blocking(move || inspect_sqlite(&path)).await?
-            }
-            LogPlace::Postgres { target, schema } => inspect_postgres(target, schema).await,
-        }
+/// `sluice log reset`: empties the change log, so the next `sluice run`
+/// starts a new lineage from a fresh snapshot and every subscriber syncs
+/// again. Refused while a writer holds an SQLite log (whatever the flags),
+/// while a Sluice answers at the owner address the log records (unless
+/// `force`), and without `yes`.
+pub async fn reset(store: &LogStore, yes: bool, force: bool) -> anyhow::Result<()> {
+    let nothing = || println!("{}: there is no change log to reset", store.describe());
+    if matches!(store, LogStore::Sqlite { path, .. } if !path.exists()) {
+        nothing();
+        return Ok(());
     }
-
-    /// Empties the change log: the next `sluice run` starts a new lineage
-    /// from a fresh snapshot, and its subscribers must sync again.
-    pub async fn reset(&self) -> anyhow::Result<()> {
-        match self {
-            LogPlace::Sqlite(path) => {
-                // Held while deleting, so no writer starts meanwhile; refused,
-                // whatever the flags, while a writer runs.
-                let _lock = crate::storage::writer_lock::WriterLock::acquire(path, "sluice log reset")?;
-                for suffix in ["", "-wal", "-shm"] {
-                    let file = PathBuf::from(format!("{}{suffix}", path.display()));
-                    match std::fs::remove_file(&file) {
-                        Ok(()) => {}
-                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                        Err(e) => return Err(e).with_context(|| format!("removing {}", file.display())),
-                    }
+    // Held from the first check through the deletion, so no writer starts
+    // meanwhile.
+    let _lock = store.lock_writer("sluice log reset")?;
+    let report = inspect(store).await?;
+    if !report.exists {
+        nothing();
+        return Ok(());
+    }
+    if let Some(address) = report.owner_address.as_deref().filter(|_| !force) {
+        let answers = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(address))
+            .await
+            .is_ok_and(|c| c.is_ok());
+        anyhow::ensure!(
+            !answers,
+            "a Sluice answers at {address}, the owner address this log records: stop it first (or pass --force)"
+        );
+    }
+    anyhow::ensure!(
+        yes,
+        "this deletes the change log at {} (lineage {}, {} transactions); every subscriber will sync again. Pass --yes to do it",
+        store.describe(),
+        report.replica_version.as_deref().unwrap_or("-"),
+        report.transactions
+    );
+    match store {
+        LogStore::Sqlite { path, .. } => {
+            for suffix in ["", "-wal", "-shm"] {
+                let file = PathBuf::from(format!("{}{suffix}", path.display()));
+                match std::fs::remove_file(&file) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e).with_context(|| format!("removing {}", file.display())),
                 }
-                Ok(())
-            }
-            LogPlace::Postgres { target, schema } => {
-                let client = super::connect_postgres(target, "the change DB").await?;
-                client
-                    .batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", quote_ident(schema)))
-                    .await
-                    .with_context(|| format!("dropping schema {schema}"))?;
-                Ok(())
             }
         }
+        LogStore::Postgres { settings, .. } => {
+            let schema = settings.schema_name();
+            let client = super::connect_postgres(&settings.target, "the change DB").await?;
+            client
+                .batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", quote_ident(&schema)))
+                .await
+                .with_context(|| format!("dropping schema {schema}"))?;
+        }
     }
+    println!("deleted the change log at {}; the next `sluice run` starts a new lineage", store.describe());
+    Ok(())
 }
 
 fn inspect_sqlite(path: &Path) -> anyhow::Result<LogReport> {

@@ -1,9 +1,10 @@
 //! Admin commands of the `sluice` binary: talking to a running Sluice
-//! (`sluice reload`), and working on what Sluice keeps (the change log) or
+//! (`sluice reload`, `sluice health`), listing plugins, and working on what Sluice keeps (the change log) or
 //! created upstream (the Postgres slot and publication).
 
 pub mod http;
 pub mod log;
+pub mod plugins;
 pub mod postgres;
 
 /// A connection for an admin command to a PostgreSQL server, named

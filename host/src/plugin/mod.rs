@@ -18,7 +18,7 @@ pub use sandbox::{
     describe_failure, new_store, HostState, NetGrant, PluginCalls, SandboxLimits, FILTER_CALLS, SOURCE_CALLS,
 };
 pub use wasm_filter::{FilterPlugins, WasmFilter};
-pub use wasm_source::WasmSource;
+pub use wasm_source::{build_source, WasmSource};
 
 /// The WIT package version this host speaks.
 pub use sluice_contract::{WIT_PACKAGE, WIT_VERSION};

@@ -53,6 +53,27 @@ impl SourcePre {
     }
 }
 
+/// The source plugin `name` from `registry`, with its configuration (JSON
+/// text): its network grant is the upstream the configuration names plus
+/// `allow_net`; a TLS upstream is reached through the host (see
+/// [`super::tls_forward`]).
+pub async fn build_source(
+    registry: &Arc<Registry>,
+    name: &str,
+    config: &str,
+    limits: SandboxLimits,
+    allow_net: &[String],
+) -> anyhow::Result<WasmSource> {
+    let config = super::tls_forward::prepare(config).await?;
+    let mut endpoints = super::net::config_endpoints(&config)?;
+    endpoints.extend(allow_net.iter().cloned());
+    let net = super::net::resolve(&endpoints)?;
+    if !net.connect.is_empty() {
+        tracing::info!(endpoints = ?endpoints, "the source plugin may connect to {} address(es)", net.connect.len());
+    }
+    registry.source(name, config, limits, net).await.map_err(anyhow::Error::msg)
+}
+
 pub struct WasmSource {
     registry: Arc<Registry>,
     name: String,

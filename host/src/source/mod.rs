@@ -6,6 +6,7 @@
 
 use async_trait::async_trait;
 
+pub mod assemble;
 pub mod postgres;
 
 /// The change model from the WIT contract.

@@ -5,6 +5,7 @@
 //! blocking: the storer runs them on a thread of its own.
 
 pub mod memory;
+pub mod open;
 pub mod postgres;
 mod postgres_state;
 pub mod sqlite;

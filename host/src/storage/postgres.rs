@@ -59,7 +59,12 @@ pub struct PgSettings {
 impl PgSettings {
     /// `"zero_0/cdc"`, quoted: the `/` makes quoting mandatory.
     pub fn schema(&self) -> String {
-        quote_ident(&format!("{}_{}/cdc", self.app_id, self.shard_num))
+        quote_ident(&self.schema_name())
+    }
+
+    /// `zero_0/cdc`, as it appears in the catalog.
+    pub fn schema_name(&self) -> String {
+        format!("{}_{}/cdc", self.app_id, self.shard_num)
     }
 
     async fn connect(&self) -> anyhow::Result<PgClient> {

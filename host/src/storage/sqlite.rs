@@ -22,8 +22,9 @@ use super::{
 /// state starts with its next lineage).
 const SCHEMA_VERSION: i64 = 2;
 
-/// How hard SQLite works to make each commit durable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How hard SQLite works to make each commit durable (`--sync`; a Postgres
+/// change DB's `synchronous_commit` follows it too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Durability {
     /// `synchronous=FULL`: a commit survives power loss (default).
     Full,

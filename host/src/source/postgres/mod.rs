@@ -7,8 +7,10 @@
 //! * [`stream`]: `START_REPLICATION`, decoding, acks and keepalives.
 //! * [`wire`], [`pgoutput`], [`values`], [`schema`]: the protocol pieces.
 //! * [`zero_shard`]: Zero's upstream tables, created and streamed on request.
+//! * [`retained_wal`]: the WAL the slot holds, watched beside the loop.
 
 pub mod pgoutput;
+pub mod retained_wal;
 pub mod schema;
 pub mod setup;
 pub mod snapshot;

@@ -33,6 +33,8 @@ use crate::status::Status;
 use crate::storage::{ChangeLog, LogReader};
 use crate::streamer::{Streamer, StreamerOptions};
 
+mod build;
+
 /// Everything a service is made of.
 pub struct ServiceConfig {
     pub source: Box<dyn ChangeSource>,
@@ -110,6 +112,19 @@ pub struct Service {
     server: JoinHandle<std::io::Result<()>>,
     /// The stream connections, which a stop waits to see closed.
     access: Arc<crate::server::access::Access>,
+    /// What [`Service::reload`] reads again.
+    reloadable: Reloadable,
+    /// Tasks that run beside the loop for its source (see
+    /// `crate::source::assemble`), stopped with the service.
+    beside: Vec<JoinHandle<()>>,
+    /// One writer per SQLite log: held for the service's life.
+    writer_lock: Option<crate::storage::writer_lock::WriterLock>,
+}
+
+/// The parts of a running service that can be read again (SIGHUP).
+struct Reloadable {
+    tls: Option<Arc<crate::server::tls::EndpointTls>>,
+    plugins: Option<Arc<crate::plugin::Registry>>,
 }
 
 /// How long a stop waits for subscribers to answer their close frames
@@ -156,8 +171,9 @@ impl Service {
             access: config.access.clone(),
             ready_backoff: config.ready_backoff,
             shutdown: stop_rx.clone(),
-            plugins: config.plugins,
+            plugins: config.plugins.clone(),
         };
+        let reloadable = Reloadable { tls: config.endpoint_tls.clone(), plugins: config.plugins };
         // zero-cache dials a discovered address as ws:// unless it names a scheme.
         let scheme = if config.endpoint_tls.is_some() { "wss://" } else { "" };
         let (addr, serve) = crate::server::bind_with_tls(
@@ -182,7 +198,19 @@ impl Service {
         streamer.seed_hub();
         let server = tokio::spawn(serve);
         let replication = Some(Replication::start(streamer));
-        Ok(Service { addr, status, hub, stop, options, replication, server, access: config.access })
+        Ok(Service {
+            addr,
+            status,
+            hub,
+            stop,
+            options,
+            replication,
+            server,
+            access: config.access,
+            reloadable,
+            beside: Vec::new(),
+            writer_lock: None,
+        })
     }
 
     /// Stops the replication loop alone (the storer drains what is queued)
@@ -208,6 +236,34 @@ impl Service {
         let streamer = Streamer::new(source, log, self.hub.clone(), self.options.clone(), self.status.clone());
         self.replication = Some(Replication::start(streamer));
         Ok(())
+    }
+
+    /// Reads the endpoint's certificate and key again, and rescans the
+    /// plugin directory (SIGHUP). A failure leaves the old ones in place
+    /// and is logged.
+    pub async fn reload(&self) {
+        if let Some(tls) = &self.reloadable.tls {
+            match tls.reload() {
+                Ok(()) => tracing::info!("reloaded the endpoint's TLS certificate"),
+                Err(e) => {
+                    tracing::error!("the endpoint's TLS certificate was not reloaded ({e:#}); the old one stays")
+                }
+            }
+        }
+        if let Some(plugins) = &self.reloadable.plugins {
+            match plugins.rescan().await {
+                Ok(report) if !report.changed() && report.refused.is_empty() => {
+                    tracing::info!("the plugin directory is unchanged")
+                }
+                Ok(_) => {}
+                Err(e) => tracing::error!("plugin directory: {e:#}"),
+            }
+        }
+    }
+
+    /// Runs `task` beside the service until it stops.
+    pub fn spawn_beside(&mut self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.beside.push(tokio::spawn(task));
     }
 
     /// Where subscribers and `/status` reach the service.
@@ -260,6 +316,9 @@ impl Service {
 
 impl Drop for Service {
     fn drop(&mut self) {
+        for task in &self.beside {
+            task.abort();
+        }
         let _ = self.stop.send(true);
         if let Some(replication) = &self.replication {
             let _ = replication.stop.send(true);
@@ -268,7 +327,6 @@ impl Drop for Service {
     }
 }
 
-/// Every 10 s while transactions are being stored, one line of progress.
 /// The address recorded for discovery (`ownerAddress`) when none is given:
 /// the bound one, unless it is a wildcard (`0.0.0.0`, `::`), which nobody
 /// can dial; then this host's outward address, found from the route a UDP
@@ -329,6 +387,7 @@ async fn log_stalls(status: Arc<Status>, mut stop: watch::Receiver<bool>) {
     }
 }
 
+/// Every 10 s while transactions are being stored, one line of progress.
 async fn log_progress(status: Arc<Status>, mut stop: watch::Receiver<bool>) {
     let mut last = 0u64;
     let mut tick = tokio::time::interval(Duration::from_secs(10));
