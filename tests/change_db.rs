@@ -11,7 +11,7 @@ use common::feed::*;
 use common::*;
 use serde_json::json;
 use sluice::plugin::SandboxLimits;
-use sluice::storage::StorageError;
+use sluice::storage::LogError;
 use sluice::storer::StorerOptions;
 use sluice::streamer::StreamerOptions;
 
@@ -342,7 +342,7 @@ async fn purge_deletes_below_the_floor_and_keeps_the_latest_transaction() {
         .unwrap();
     let r = reader.clone();
     let err = tokio::task::block_in_place(move || r.purge_before("0a", "01")).unwrap_err();
-    assert!(matches!(StorageError::find(&err), Some(StorageError::OwnershipLost(_))));
+    assert!(matches!(err.downcast_ref::<LogError>(), Some(LogError::OwnershipLost(_))));
     assert_eq!(err.to_string(), "aborting changeLog purge to 0a because ownership has been taken by different-task-id");
     assert_eq!(watermarks().await.into_iter().collect::<Vec<_>>(), ["08", "0a"]);
 }

@@ -446,7 +446,7 @@ async fn bad_plugin_files_are_reported_and_the_rest_load() {
     std::fs::write(plugins.join("good.wasm"), &good).unwrap();
     std::fs::write(plugins.join("garbage.wasm"), b"this is not wasm at all").unwrap();
     std::fs::write(plugins.join("core.wasm"), b"\0asm\x01\0\0\0").unwrap();
-    let newer = replace_all(&good, b"@0.3.1", b"@0.4.0");
+    let newer = replace_all(&good, b"@0.3.2", b"@0.4.0");
     std::fs::write(plugins.join("newer.wasm"), newer).unwrap();
     std::fs::write(plugins.join("ignored.txt"), b"not a plugin").unwrap();
 
@@ -455,7 +455,7 @@ async fn bad_plugin_files_are_reported_and_the_rest_load() {
     let by = |n: &str| infos.iter().find(|i| i.name == n).unwrap_or_else(|| panic!("{n} listed"));
     assert_eq!(infos.len(), 4, "only *.wasm files");
     assert_eq!(by("good").error, None);
-    assert_eq!(by("good").wit_version.as_deref(), Some("0.3.1"));
+    assert_eq!(by("good").wit_version.as_deref(), Some("0.3.2"));
     assert!(by("garbage").error.as_deref().unwrap().contains("not a WebAssembly file"));
     assert!(by("core").error.as_deref().unwrap().contains("core WebAssembly module, not a component"));
     let newer = by("newer").error.as_deref().unwrap();
@@ -469,9 +469,10 @@ async fn bad_plugin_files_are_reported_and_the_rest_load() {
     assert!(again.infos().find(|i| i.name == "good").unwrap().cached);
 }
 
-/// Source plugins built against an older 0.3 contract keep running: one
-/// that speaks 0.3.0, and one without the optional `source-progress` export
-/// (new in 0.3.1), whose progress is then unknown.
+/// Source plugins built against an older 0.3 contract keep running: ones
+/// that speak 0.3.0 and 0.3.1 (before the `tls` import), and one without
+/// the optional `source-progress` export (new in 0.3.1), whose progress is
+/// then unknown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn source_plugins_without_the_optional_progress_export_still_run() {
     let dir = tmp();
@@ -479,16 +480,20 @@ async fn source_plugins_without_the_optional_progress_export_still_run() {
     std::fs::create_dir_all(&plugins).unwrap();
     let current = std::fs::read(plugin_dir().join("mock-source.wasm")).unwrap();
     std::fs::write(plugins.join("current.wasm"), &current).unwrap();
-    std::fs::write(plugins.join("older.wasm"), replace_all(&current, b"@0.3.1", b"@0.3.0")).unwrap();
+    std::fs::write(plugins.join("older.wasm"), replace_all(&current, b"@0.3.2", b"@0.3.0")).unwrap();
+    std::fs::write(plugins.join("previous.wasm"), replace_all(&current, b"@0.3.2", b"@0.3.1")).unwrap();
     // Renaming the export hides it from the host, as if it were never built.
     let hidden = replace_all(&current, b"/source-progress@", b"/source-pqrstuvw@");
     assert_ne!(hidden, current, "the plugin exports source-progress");
     std::fs::write(plugins.join("no-progress.wasm"), hidden).unwrap();
 
     let registry = Arc::new(Registry::load(&plugins, None).await.unwrap());
-    for (name, version, reports) in
-        [("current", "0.3.1", true), ("older", "0.3.0", true), ("no-progress", "0.3.1", false)]
-    {
+    for (name, version, reports) in [
+        ("current", "0.3.2", true),
+        ("previous", "0.3.1", true),
+        ("older", "0.3.0", true),
+        ("no-progress", "0.3.2", false),
+    ] {
         let info = registry.infos().find(|i| i.name == name).unwrap();
         assert_eq!(info.error, None, "{name} loads");
         assert_eq!(info.wit_version.as_deref(), Some(version), "{name}");
@@ -560,7 +565,7 @@ fn bad_source_config_and_unknown_source_exit_with_a_clear_error() {
     assert!(out.status.success());
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(
-        table.lines().any(|l| l.starts_with("mock-source") && l.contains("source") && l.contains("0.3.1")),
+        table.lines().any(|l| l.starts_with("mock-source") && l.contains("source") && l.contains("0.3.2")),
         "{table}"
     );
 }

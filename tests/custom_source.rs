@@ -29,8 +29,8 @@ fn wm(i: u32) -> String {
 /// restartable (see [`Restartable`]).
 async fn start_sluice(config: Value) -> Restartable {
     let config = config.to_string();
-    let endpoints = sluice::plugin::net::config_endpoints(&config).unwrap();
-    start_sluice_with_grant(config, sluice::plugin::net::resolve(&endpoints).unwrap()).await
+    let grant = sluice::plugin::net::grant_for(&config, &[]).unwrap();
+    start_sluice_with_grant(config, grant).await
 }
 
 async fn start_sluice_with_grant(config: String, grant: NetGrant) -> Restartable {
@@ -439,7 +439,7 @@ async fn a_sluice_serves_the_custom_protocol_from_its_table_state_and_log() {
     })
     .await;
     let config = json!({"url": format!("ws://{}", upstream.service.addr())}).to_string();
-    let grant = sluice::plugin::net::resolve(&sluice::plugin::net::config_endpoints(&config).unwrap()).unwrap();
+    let grant = sluice::plugin::net::grant_for(&config, &[]).unwrap();
     let follower = start_sluice_with_grant(config, grant).await;
     // Past its initial sync (stored at `W.01`), a transaction streamed live.
     let fst = follower.status.clone();

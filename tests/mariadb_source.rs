@@ -41,7 +41,7 @@ async fn start_sluice(config: Value) -> Restartable {
 /// An instance of the mariadb-source plugin, allowed to reach the server
 /// its configuration names.
 async fn source(registry: &Arc<Registry>, config: &str) -> Box<dyn ChangeSource> {
-    let grant = sluice::plugin::net::resolve(&sluice::plugin::net::config_endpoints(config).unwrap()).unwrap();
+    let grant = sluice::plugin::net::grant_for(config, &[]).unwrap();
     Box::new(registry.source("mariadb-source", config.to_string(), SandboxLimits::default(), grant).await.unwrap())
 }
 
@@ -487,8 +487,7 @@ async fn set_up_errors_are_clear() {
         let registry = &registry;
         async move {
             let config = config.to_string();
-            let endpoints = sluice::plugin::net::config_endpoints(&config).unwrap();
-            let grant = sluice::plugin::net::resolve(&endpoints).unwrap();
+            let grant = sluice::plugin::net::grant_for(&config, &[]).unwrap();
             let mut source = registry.source("mariadb-source", config, SandboxLimits::default(), grant).await.unwrap();
             sluice::source::ChangeSource::open(&mut source, None).await.err().map(|e| e.to_string())
         }
@@ -523,12 +522,13 @@ async fn set_up_errors_are_clear() {
 }
 
 /// TLS: a server that accepts only secure transport, with a certificate the
-/// test made. The plugin has no TLS stack; the host's forwarder (as
-/// `sluice run` starts it for `"tls": true`) upgrades inside MariaDB's
-/// protocol and checks the certificate with `tls_ca`. The snapshot and live
-/// rows arrive, over TLS connections the server counted.
+/// test made. The plugin has no TLS stack: it asks the host for a tunnel
+/// (the contract's `tls` interface), sends MariaDB's SSL request itself,
+/// and the host does the handshake and checks the certificate with
+/// `tls_ca`. The snapshot and live rows arrive, over TLS connections the
+/// server counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tls_is_done_by_the_hosts_forwarder() {
+async fn tls_is_done_by_the_host_through_the_contracts_tunnel() {
     init_logs();
     let pki = common::pki::Pki::new();
     // Files the server's user can read.
@@ -550,9 +550,6 @@ async fn tls_is_done_by_the_hosts_forwarder() {
     let mut config = m.config(&["msrc_tls"]);
     config["tls"] = json!(true);
     config["tls_ca"] = json!(pki.path("ca.crt").display().to_string());
-    let config = sluice::plugin::tls_forward::prepare(&config.to_string()).await.unwrap();
-    let config: Value = serde_json::from_str(&config).unwrap();
-    assert!(config["tls_via"].as_str().is_some_and(|v| v.starts_with("127.0.0.1:")), "{config}");
     let sluice = start_sluice(config).await;
     let replica = sluice.subscribe().await;
     converge(m, &replica, &[("msrc_tls.t", &["id", "note"])]).await;

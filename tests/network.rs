@@ -519,7 +519,7 @@ async fn a_silent_custom_upstream_link_is_noticed_and_replication_resumes() {
     let dir = tempfile::tempdir().unwrap();
     let registry =
         Arc::new(sluice::plugin::Registry::load(&plugin_dir(), Some(dir.path().join("cache"))).await.unwrap());
-    let grant = sluice::plugin::net::resolve(&sluice::plugin::net::config_endpoints(&config).unwrap()).unwrap();
+    let grant = sluice::plugin::net::grant_for(&config, &[]).unwrap();
     let source: common::restartable::SourceFactory = Box::new(move || {
         let (registry, config, grant) = (registry.clone(), config.clone(), grant.clone());
         Box::pin(async move {

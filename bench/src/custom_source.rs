@@ -63,7 +63,7 @@ async fn one(
         up.append(tx);
     }
     let config = serde_json::json!({"url": up.url()}).to_string();
-    let grant = sluice::plugin::net::resolve(&sluice::plugin::net::config_endpoints(&config)?)?;
+    let grant = sluice::plugin::net::grant_for(&config, &[])?;
     let source = registry
         .source("zero-custom-source", config, SandboxLimits::default(), grant)
         .await

@@ -183,8 +183,7 @@ pub async fn run(
 
     // The plugin alone, in this process: the wasm reader and the boundary,
     // with no storage and no subscriber.
-    let endpoints = sluice::plugin::net::config_endpoints(&config)?;
-    let grant = sluice::plugin::net::resolve(&endpoints)?;
+    let grant = sluice::plugin::net::grant_for(&config, &[])?;
     let mut source = registry
         .source("mariadb-source", config.clone(), SandboxLimits::default(), grant)
         .await

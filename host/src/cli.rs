@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-use crate::settings::{source_config, ChangeLogArgs, LogFormat, Settings, TokenArgs};
+use crate::settings::{check_source_config, source_config, ChangeLogArgs, LogFormat, Settings, TokenArgs};
 
 /// `sluice --version`: the crate version, the git revision it was built
 /// from, and the plugin contract (WIT) version it loads.
@@ -207,6 +207,10 @@ pub async fn execute(command: Command) -> anyhow::Result<()> {
 
 async fn postgres(command: PostgresCommand) -> anyhow::Result<()> {
     use crate::admin::postgres::Upstream;
+    let (PostgresCommand::Status { source, .. }
+    | PostgresCommand::DropSlot { source }
+    | PostgresCommand::Uninstall { source, .. }) = &command;
+    check_source_config(&source.source_config)?;
     match command {
         PostgresCommand::Status { source, json } => {
             print_report(&Upstream::from_config(&source.source_config)?.status().await?, json)

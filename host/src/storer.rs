@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, Notify};
 use crate::catchup::Catchups;
 use crate::change::{Change, Kind};
 use crate::status::{Stage, Status};
-use crate::storage::{ChangeLog, LogRow, NewLineage};
+use crate::storage::{ChangeLog, LogError, LogResult, LogRow, NewLineage};
 use crate::subscriber::Subscriber;
 
 /// Tuning of the storer.
@@ -133,10 +133,11 @@ struct Exited {
     notify: Notify,
 }
 
-/// What the storer thread hands back: the log (for the next run) and why it ended.
+/// What the storer thread hands back: the log (for the next run) and why it
+/// ended (a failure of the log keeps its kind: stop or retry).
 pub struct StorerExit {
     pub log: Box<dyn ChangeLog>,
-    pub result: anyhow::Result<()>,
+    pub result: LogResult<()>,
 }
 
 impl Storer {
@@ -164,7 +165,7 @@ impl Storer {
         let thread = tokio::task::spawn_blocking(move || {
             let mut worker = Worker::new(log, catchup, options, durable, status, worker_budget);
             worker.establish = establish;
-            let result = worker.run(&mut rx);
+            let result = worker.run(&mut rx).map_err(LogError::from);
             // Catch-ups this storer will never serve: their subscribers are
             // already forwarded to, so they must reconnect rather than wait.
             // Closing the queue first makes the hub hold later subscribers

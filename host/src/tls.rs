@@ -1,7 +1,7 @@
 //! What every TLS connection of Sluice shares: the rustls crypto provider
 //! and reading PEM certificate files. Postgres connections
 //! (`pgconn::tls`), the subscriber endpoint (`server::tls`) and the source
-//! plugins' forwarder (`plugin::tls_forward`) build on it.
+//! plugins' TLS tunnels (`plugin::tls_tunnel`) build on it.
 
 use std::path::Path;
 use std::sync::Arc;

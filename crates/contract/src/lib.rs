@@ -8,15 +8,18 @@
 //! modules from depending on the plugin host, and keeps the macro expansion
 //! out of the host crate's incremental builds.
 
-/// The source world with its optional progress export
-/// (`source-plugin-with-progress`), which also generates the shared
-/// `sluice:plugin/types` interface. The host loads the two exports one by
-/// one (`GuestIndices`), so a source without `source-progress` runs too.
+/// The fullest source world (`source-plugin-with-tls`): the optional
+/// progress export and the `tls` import the host provides; it also
+/// generates the shared `sluice:plugin/types` interface. The host loads the
+/// exports one by one (`GuestIndices`), so a source without
+/// `source-progress` runs too, and one that does not import `tls` simply
+/// never asks for it.
 pub mod source_world {
     wasmtime::component::bindgen!({
         path: "../../wit",
-        world: "source-plugin-with-progress",
+        world: "source-plugin-with-tls",
         exports: { default: async },
+        imports: { default: async | trappable },
     });
 }
 
@@ -32,6 +35,11 @@ pub mod filter_world {
 
 /// The change model: what a source produces, one [`model::Message`] at a time.
 pub use source_world::sluice::plugin::types as model;
+
+/// TLS for a source's connections, which the host provides (`tls`).
+pub mod tls {
+    pub use crate::source_world::sluice::plugin::tls::{add_to_linker, Host, TlsStart, Tunnel};
+}
 
 /// What a filter plugin is asked and answers.
 pub mod filter {

@@ -9,7 +9,8 @@
 //!   their tags and passes on the host's column spans.
 //! - [`types`] is the change model both speak (`wit/sluice.wit`),
 //!   [`watermark`] Zero's LexiVersion, [`scan`] reads change objects without
-//!   parsing them, and [`net::connect`] dials an upstream from the sandbox.
+//!   parsing them, and [`net::connect`] dials an upstream from the sandbox
+//!   ([`net::connect_tls`] and [`net::Tunnel`] over TLS, done by the host).
 //!
 //! The raw worlds ([`source_world`], [`filter_world`]) stay available for
 //! plugins that need the contract as it is (the host's tests use one to
@@ -19,12 +20,13 @@ pub mod filter;
 pub mod net;
 pub mod source;
 
-/// The `source-plugin-with-progress` world as wit-bindgen generates it (it
-/// also generates the shared `sluice:plugin/types` interface).
+/// The `source-plugin-with-tls` world as wit-bindgen generates it: the
+/// source and progress exports and the host's `tls` import (it also
+/// generates the shared `sluice:plugin/types` interface).
 pub mod source_world {
     wit_bindgen::generate!({
         path: "../../wit",
-        world: "source-plugin-with-progress",
+        world: "source-plugin-with-tls",
         additional_derives: [PartialEq],
         pub_export_macro: true,
         export_macro_name: "export_source_world",
@@ -41,7 +43,7 @@ pub mod filter_world {
         export_macro_name: "export_filter_world",
         additional_derives: [PartialEq],
         default_bindings_module: "sluice_plugin_sdk::filter_world",
-        with: { "sluice:plugin/types@0.3.1": crate::source_world::sluice::plugin::types },
+        with: { "sluice:plugin/types@0.3.2": crate::source_world::sluice::plugin::types },
     });
 }
 

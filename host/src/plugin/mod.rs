@@ -8,7 +8,7 @@ mod cache;
 pub mod net;
 mod registry;
 mod sandbox;
-pub mod tls_forward;
+mod tls_tunnel;
 mod wasm_filter;
 mod wasm_source;
 pub mod watch;

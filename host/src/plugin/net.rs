@@ -22,10 +22,6 @@ pub fn config_endpoints(config: &str) -> anyhow::Result<Vec<String>> {
         return Ok(Vec::new());
     };
     let mut out = Vec::new();
-    // A TLS upstream is reached through the host's forwarder, and only it.
-    if let Some(via) = map.get("tls_via").and_then(|v| v.as_str()) {
-        return Ok(vec![via.to_string()]);
-    }
     if let Some(url) = map.get("url") {
         let text = url.as_str().context("source config: `url` must be a string")?;
         let parsed = url::Url::parse(text).with_context(|| format!("source config: `url` {text:?} is not a URL"))?;
@@ -47,6 +43,36 @@ pub fn config_endpoints(config: &str) -> anyhow::Result<Vec<String>> {
         out.push(join(host, port));
     }
     Ok(out)
+}
+
+/// What a source plugin with `config` may reach: the upstream its
+/// configuration names plus `allow_net`, and the trust anchors for TLS to
+/// them (`tls_ca`).
+pub fn grant_for(config: &str, allow_net: &[String]) -> anyhow::Result<NetGrant> {
+    let mut endpoints = config_endpoints(config)?;
+    endpoints.extend(allow_net.iter().cloned());
+    let mut grant = resolve(&endpoints)?;
+    grant.tls_ca = config_tls_ca(config)?;
+    if !grant.connect.is_empty() {
+        tracing::info!(endpoints = ?endpoints, "the source plugin may connect to {} address(es)", grant.connect.len());
+    }
+    Ok(grant)
+}
+
+/// The `tls_ca` a source configuration names: the PEM file the host checks
+/// its TLS upstream's certificate with.
+pub fn config_tls_ca(config: &str) -> anyhow::Result<Option<std::path::PathBuf>> {
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_str::<serde_json::Value>(config) else {
+        return Ok(None);
+    };
+    match map.get("tls_ca") {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => {
+            let path = v.as_str().context("source config: `tls_ca` must be a file path")?;
+            anyhow::ensure!(std::path::Path::new(path).is_file(), "source config: `tls_ca` {path:?} is not a file");
+            Ok(Some(path.into()))
+        }
+    }
 }
 
 fn default_port(scheme: &str) -> Option<u16> {
@@ -75,7 +101,7 @@ pub fn resolve(endpoints: &[String]) -> anyhow::Result<NetGrant> {
             }
         }
     }
-    Ok(NetGrant { connect })
+    Ok(NetGrant { connect, tls_ca: None })
 }
 
 #[cfg(test)]

@@ -174,6 +174,9 @@ impl Registry {
         let engine = sandbox::engine()?;
         let mut linker: Linker<HostState> = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(|e| anyhow::anyhow!("{e}"))?;
+        // The contract's own import: TLS tunnels for source plugins.
+        sluice_contract::tls::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(&mut linker, |s| s)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         let cache = CodeCache::new(cache_dir);
         let registry = Registry {
             dir: dir.to_path_buf(),

@@ -37,6 +37,9 @@ impl Default for SandboxLimits {
 #[derive(Debug, Clone, Default)]
 pub struct NetGrant {
     pub connect: Vec<SocketAddr>,
+    /// The trust anchors (PEM) for the plugin's TLS tunnels (`tls_ca` in
+    /// its config; `None`: the system's CAs).
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 /// Builds the engine shared by every plugin: epoch interruption for deadlines,
@@ -80,6 +83,8 @@ pub struct HostState {
     /// For calls bounded by their running time instead: the epoch ticks the
     /// call may still run for.
     ticks_left: Option<u32>,
+    /// The plugin's TLS tunnels (the contract's `tls` interface).
+    pub(super) tunnels: super::tls_tunnel::Tunnels,
 }
 
 impl WasiView for HostState {
@@ -133,14 +138,17 @@ impl wasmtime::ResourceLimiter for MemoryCap {
 pub fn new_store(engine: &Engine, plugin: &str, limits: SandboxLimits, net: &NetGrant) -> Store<HostState> {
     let mut wasi = WasiCtxBuilder::new();
     wasi.stderr(LogPipe { plugin: plugin.into() });
+    // The grant, and the loopback addresses of the plugin's TLS tunnels
+    // while they wait to be dialled.
+    let dialable = Arc::new(std::sync::RwLock::new(net.connect.clone()));
     if !net.connect.is_empty() {
-        let allowed: Arc<[SocketAddr]> = net.connect.clone().into();
+        let allowed = dialable.clone();
         wasi.allow_tcp(true).allow_ip_name_lookup(true).socket_addr_check(move |addr, use_| {
             // A connect first binds to the wildcard address implicitly, so
             // binds are allowed; only the destination is checked.
             let ok = match use_ {
                 SocketAddrUse::TcpBind => true,
-                SocketAddrUse::TcpConnect => allowed.contains(&addr),
+                SocketAddrUse::TcpConnect => allowed.read().unwrap_or_else(|e| e.into_inner()).contains(&addr),
                 _ => false,
             };
             Box::pin(async move { ok })
@@ -152,6 +160,7 @@ pub fn new_store(engine: &Engine, plugin: &str, limits: SandboxLimits, net: &Net
         memory: MemoryCap { max: limits.memory_bytes, hit: false },
         deadline: Instant::now() + limits.call_deadline,
         ticks_left: None,
+        tunnels: super::tls_tunnel::Tunnels::new(net.connect.clone(), dialable, net.tls_ca.clone()),
     };
     let mut store = Store::new(engine, state);
     store.limiter(|s| &mut s.memory);

@@ -55,8 +55,8 @@ impl SourcePre {
 
 /// The source plugin `name` from `registry`, with its configuration (JSON
 /// text): its network grant is the upstream the configuration names plus
-/// `allow_net`; a TLS upstream is reached through the host (see
-/// [`super::tls_forward`]).
+/// `allow_net`, and TLS tunnels to those (see `tls_tunnel`) trust the
+/// config's `tls_ca`.
 pub async fn build_source(
     registry: &Arc<Registry>,
     name: &str,
@@ -64,14 +64,8 @@ pub async fn build_source(
     limits: SandboxLimits,
     allow_net: &[String],
 ) -> anyhow::Result<WasmSource> {
-    let config = super::tls_forward::prepare(config).await?;
-    let mut endpoints = super::net::config_endpoints(&config)?;
-    endpoints.extend(allow_net.iter().cloned());
-    let net = super::net::resolve(&endpoints)?;
-    if !net.connect.is_empty() {
-        tracing::info!(endpoints = ?endpoints, "the source plugin may connect to {} address(es)", net.connect.len());
-    }
-    registry.source(name, config, limits, net).await.map_err(anyhow::Error::msg)
+    let net = super::net::grant_for(config, allow_net)?;
+    registry.source(name, config.to_string(), limits, net).await.map_err(anyhow::Error::msg)
 }
 
 pub struct WasmSource {

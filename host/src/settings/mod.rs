@@ -84,14 +84,20 @@ impl TokenArgs {
     }
 }
 
-/// `--source-config`: JSON text, or `@FILE` to read it from a file.
+/// `--source-config`: JSON text, or `@FILE` to read it from a file. The
+/// JSON is checked by [`check_source_config`], whose error does not repeat
+/// the text (it may hold a password).
 pub fn source_config(arg: &str) -> Result<String, String> {
-    let text = match arg.strip_prefix('@') {
-        Some(file) => std::fs::read_to_string(file).map_err(|e| format!("reading {file}: {e}"))?,
-        None => arg.to_string(),
-    };
-    serde_json::from_str::<serde_json::Value>(&text).map_err(|e| format!("not valid JSON: {e}"))?;
-    Ok(text)
+    match arg.strip_prefix('@') {
+        Some(file) => std::fs::read_to_string(file).map_err(|e| format!("reading {file}: {e}")),
+        None => Ok(arg.to_string()),
+    }
+}
+
+/// Whether the source's configuration is JSON.
+pub fn check_source_config(text: &str) -> anyhow::Result<()> {
+    serde_json::from_str::<serde_json::Value>(text).context("--source-config is not valid JSON")?;
+    Ok(())
 }
 
 /// `--app-id`: it names a Postgres schema, so only what needs no quoting.
@@ -284,6 +290,7 @@ impl Settings {
 
     /// What the settings cannot say through their types alone.
     pub fn check(&self) -> anyhow::Result<()> {
+        check_source_config(&self.source_config)?;
         if let Some(advertise) = &self.advertise {
             if let Ok(addr) = advertise.parse::<std::net::SocketAddr>() {
                 anyhow::ensure!(

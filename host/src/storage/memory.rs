@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use super::{Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, NewLineage, StoredRow};
+use super::{Bounds, ChangeLog, LogReader, LogResult, LogRow, LogSnapshot, LogState, NewLineage, StoredRow};
 
 /// What is committed (or being written in a storage transaction).
 #[derive(Debug, Clone, Default)]
@@ -121,75 +121,75 @@ impl MemoryProbe {
 }
 
 impl ChangeLog for MemoryChangeLog {
-    fn state(&mut self) -> anyhow::Result<Option<LogState>> {
+    fn state(&mut self) -> LogResult<Option<LogState>> {
         let s = lock(&self.shared);
         let Some((replica_version, reset_required)) = s.committed.config.clone() else { return Ok(None) };
         let (last_watermark, owner) = s.committed.state.clone().unwrap_or_else(|| (replica_version.clone(), None));
         Ok(Some(LogState { replica_version, last_watermark, reset_required, owner }))
     }
 
-    fn reset(&mut self, replica_version: &str) -> anyhow::Result<()> {
+    fn reset(&mut self, replica_version: &str) -> LogResult<()> {
         let mut s = lock(&self.shared);
         seed(&mut s.committed, replica_version, None);
         Ok(())
     }
 
-    fn start_lineage(&mut self, lineage: &NewLineage) -> anyhow::Result<()> {
+    fn start_lineage(&mut self, lineage: &NewLineage) -> LogResult<()> {
         let tx = self.open_tx()?;
         seed(tx, &lineage.replica_version, Some(lineage.owner.clone()));
         Ok(())
     }
 
-    fn mark_reset_required(&mut self) -> anyhow::Result<()> {
+    fn mark_reset_required(&mut self) -> LogResult<()> {
         if let Some((_, reset)) = lock(&self.shared).committed.config.as_mut() {
             *reset = true;
         }
         Ok(())
     }
 
-    fn assume_ownership(&mut self, task_id: &str, _address: &str) -> anyhow::Result<()> {
+    fn assume_ownership(&mut self, task_id: &str, _address: &str) -> LogResult<()> {
         if let Some((_, owner)) = lock(&self.shared).committed.state.as_mut() {
             *owner = Some(task_id.to_string());
         }
         Ok(())
     }
 
-    fn begin(&mut self) -> anyhow::Result<()> {
-        anyhow::ensure!(self.tx.is_none(), "a storage transaction is already open");
+    fn begin(&mut self) -> LogResult<()> {
+        super::ensure_log!(self.tx.is_none(), "a storage transaction is already open");
         self.tx = Some(lock(&self.shared).committed.clone());
         Ok(())
     }
 
-    fn savepoint(&mut self) -> anyhow::Result<()> {
+    fn savepoint(&mut self) -> LogResult<()> {
         self.savepoint = Some(self.open_tx()?.clone());
         lock(&self.shared).stats.savepoints += 1;
         Ok(())
     }
 
-    fn release_savepoint(&mut self) -> anyhow::Result<()> {
+    fn release_savepoint(&mut self) -> LogResult<()> {
         self.savepoint = None;
         Ok(())
     }
 
-    fn rollback_to_savepoint(&mut self) -> anyhow::Result<()> {
+    fn rollback_to_savepoint(&mut self) -> LogResult<()> {
         let saved = self.savepoint.take().ok_or_else(|| anyhow::anyhow!("no savepoint"))?;
         self.tx = Some(saved);
         lock(&self.shared).stats.savepoint_rollbacks += 1;
         Ok(())
     }
 
-    fn append(&mut self, rows: &[LogRow<'_>]) -> anyhow::Result<()> {
+    fn append(&mut self, rows: &[LogRow<'_>]) -> LogResult<()> {
         let tx = self.open_tx()?;
         for r in rows {
             let key = (r.watermark.to_string(), r.pos);
-            anyhow::ensure!(!tx.rows.contains_key(&key), "duplicate row {} {}", r.watermark, r.pos);
+            super::ensure_log!(!tx.rows.contains_key(&key), "duplicate row {} {}", r.watermark, r.pos);
             tx.rows.insert(key, (r.tag.to_string(), r.change.to_string()));
         }
         lock(&self.shared).stats.appends += 1;
         Ok(())
     }
 
-    fn commit(&mut self, last_watermark: &str) -> anyhow::Result<()> {
+    fn commit(&mut self, last_watermark: &str) -> LogResult<()> {
         let mut tx = self.tx.take().ok_or_else(|| anyhow::anyhow!("no storage transaction is open"))?;
         self.savepoint = None;
         let owner = tx.state.take().and_then(|(_, owner)| owner);
@@ -206,7 +206,7 @@ impl ChangeLog for MemoryChangeLog {
         Ok(())
     }
 
-    fn rollback(&mut self) -> anyhow::Result<()> {
+    fn rollback(&mut self) -> LogResult<()> {
         if self.tx.take().is_some() {
             lock(&self.shared).stats.rollbacks += 1;
         }
@@ -214,8 +214,8 @@ impl ChangeLog for MemoryChangeLog {
         Ok(())
     }
 
-    fn bounds(&mut self) -> anyhow::Result<Bounds> {
-        self.probe().bounds()
+    fn bounds(&mut self) -> LogResult<Bounds> {
+        Ok(self.probe().bounds()?)
     }
 }
 

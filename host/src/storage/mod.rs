@@ -13,21 +13,56 @@ pub mod state;
 pub mod watched;
 pub mod writer_lock;
 
-/// Storage failures that mean "stop", not "retry".
+/// Why a change-log write failed, and so what the replication loop does
+/// next: stop cleanly ([`LogError::stops`]), or retry from what is durable.
 #[derive(Debug, thiserror::Error)]
-pub enum StorageError {
+pub enum LogError {
     /// Another host owns the change log now.
     #[error("{0}")]
     OwnershipLost(String),
     /// The change log's schema or tables were dropped.
     #[error("the change log's tables are gone ({0})")]
     Gone(String),
+    /// Anything else: a lost connection, a full disk, a statement that
+    /// failed. Retried from the durable watermark after a back-off.
+    #[error(transparent)]
+    Backend(anyhow::Error),
 }
 
-impl StorageError {
-    /// Finds a `StorageError` anywhere in an error's chain.
-    pub fn find(e: &anyhow::Error) -> Option<&StorageError> {
-        e.chain().find_map(|c| c.downcast_ref::<StorageError>())
+/// What every [`ChangeLog`] call returns.
+pub type LogResult<T> = Result<T, LogError>;
+
+impl LogError {
+    /// Whether the loop must stop (cleanly) rather than retry.
+    pub fn stops(&self) -> bool {
+        !matches!(self, LogError::Backend(_))
+    }
+}
+
+/// `anyhow::ensure!` for a [`LogResult`]: a failed check is a backend failure.
+macro_rules! ensure_log {
+    ($cond:expr, $($arg:tt)+) => {
+        if !$cond {
+            return Err($crate::storage::LogError::Backend(anyhow::anyhow!($($arg)+)));
+        }
+    };
+}
+pub(crate) use ensure_log;
+
+impl From<anyhow::Error> for LogError {
+    /// A stop raised deep inside a store, and given context on its way up,
+    /// stays a stop; anything else is a backend failure.
+    fn from(e: anyhow::Error) -> Self {
+        match e.downcast::<LogError>() {
+            Ok(stop) => stop,
+            Err(e) => LogError::Backend(e),
+        }
+    }
+}
+
+impl From<rusqlite::Error> for LogError {
+    fn from(e: rusqlite::Error) -> Self {
+        LogError::Backend(e.into())
     }
 }
 
@@ -85,14 +120,14 @@ pub const SQLITE_INSERT_ROWS: usize = 256;
 
 pub trait ChangeLog: Send {
     /// The recorded lineage, or `None` for a log that was never initialized.
-    fn state(&mut self) -> anyhow::Result<Option<LogState>>;
+    fn state(&mut self) -> LogResult<Option<LogState>>;
 
     /// Empties the log and seeds it for `replica_version`: the two initial
     /// rows (begin at pos 0, commit at pos 1) that make a subscriber at the
     /// replica version servable, and `lastWatermark = replica_version`.
     /// Committed at once, with no owner; for tests and tools. The replication
     /// loop uses [`ChangeLog::start_lineage`] instead.
-    fn reset(&mut self, replica_version: &str) -> anyhow::Result<()>;
+    fn reset(&mut self, replica_version: &str) -> LogResult<()>;
 
     /// Inside the open storage transaction: empties the log and seeds it for
     /// a new lineage as [`ChangeLog::reset`] does, with `lineage.owner` as
@@ -100,13 +135,13 @@ pub trait ChangeLog: Send {
     /// commits, and the storer commits it together with the lineage's first
     /// transaction (the snapshot): a replica version is never recorded, and
     /// so never discovered, before its snapshot is durable.
-    fn start_lineage(&mut self, lineage: &NewLineage) -> anyhow::Result<()>;
+    fn start_lineage(&mut self, lineage: &NewLineage) -> LogResult<()>;
 
     /// Records that the upstream asked for a reset (`control reset-required`).
-    fn mark_reset_required(&mut self) -> anyhow::Result<()>;
+    fn mark_reset_required(&mut self) -> LogResult<()>;
 
     /// Records which host writes the log, and where subscribers reach it.
-    fn assume_ownership(&mut self, task_id: &str, address: &str) -> anyhow::Result<()>;
+    fn assume_ownership(&mut self, task_id: &str, address: &str) -> LogResult<()>;
 
     /// Other hosts may write this log (they hand ownership over through
     /// it): until this host takes ownership, another may still commit.
@@ -115,19 +150,19 @@ pub trait ChangeLog: Send {
     }
 
     /// Opens a storage transaction.
-    fn begin(&mut self) -> anyhow::Result<()>;
+    fn begin(&mut self) -> LogResult<()>;
     /// Marks a point inside the storage transaction to roll back to.
-    fn savepoint(&mut self) -> anyhow::Result<()>;
-    fn release_savepoint(&mut self) -> anyhow::Result<()>;
-    fn rollback_to_savepoint(&mut self) -> anyhow::Result<()>;
+    fn savepoint(&mut self) -> LogResult<()>;
+    fn release_savepoint(&mut self) -> LogResult<()>;
+    fn rollback_to_savepoint(&mut self) -> LogResult<()>;
     /// Inserts rows (in batches, not one statement per row).
-    fn append(&mut self, rows: &[LogRow<'_>]) -> anyhow::Result<()>;
+    fn append(&mut self, rows: &[LogRow<'_>]) -> LogResult<()>;
     /// Sets `lastWatermark` and commits; durable when it returns.
-    fn commit(&mut self, last_watermark: &str) -> anyhow::Result<()>;
+    fn commit(&mut self, last_watermark: &str) -> LogResult<()>;
     /// Abandons the storage transaction.
-    fn rollback(&mut self) -> anyhow::Result<()>;
+    fn rollback(&mut self) -> LogResult<()>;
 
-    fn bounds(&mut self) -> anyhow::Result<Bounds>;
+    fn bounds(&mut self) -> LogResult<Bounds>;
 }
 
 /// A row read back for catch-up.

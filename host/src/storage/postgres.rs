@@ -24,7 +24,7 @@ use tokio_postgres::Client;
 use crate::pgconn::{self, PgClient, PgTarget};
 
 use super::{
-    Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, NewLineage, StateRow, StorageError, StoredRow,
+    Bounds, ChangeLog, LogError, LogReader, LogResult, LogRow, LogSnapshot, LogState, NewLineage, StateRow, StoredRow,
 };
 
 /// The current schema version of Zero's change DB, and the oldest it reads.
@@ -205,11 +205,11 @@ pub fn quote_ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))
 }
 
-/// Turns Postgres errors that mean "stop" into [`StorageError`]s.
+/// Turns Postgres errors that mean "stop" into [`LogError`]s that stop.
 fn classify(e: tokio_postgres::Error, what: &str) -> anyhow::Error {
     if let Some(db) = e.as_db_error() {
         if *db.code() == SqlState::UNDEFINED_TABLE || *db.code() == SqlState::INVALID_SCHEMA_NAME {
-            return StorageError::Gone(format!("{what}: {}", db.message())).into();
+            return LogError::Gone(format!("{what}: {}", db.message())).into();
         }
     }
     anyhow::Error::new(e).context(what.to_string())
@@ -356,7 +356,7 @@ impl PostgresChangeLog {
             None => {
                 let result = self.run(async |c| plan.run(c).await.context("keeping the table state"));
                 self.relations = relations;
-                result
+                Ok(result?)
             }
             Some(e) => {
                 drop(plan);
@@ -382,7 +382,7 @@ impl PostgresChangeLog {
     /// call that passes it drops the connection: inside a storage
     /// transaction the next call fails (the storer rolls back and the loop
     /// retries from what is durable), and the next `begin` reconnects.
-    fn run<T>(&mut self, f: impl AsyncFnOnce(&Client) -> anyhow::Result<T>) -> anyhow::Result<T> {
+    fn run<T>(&mut self, f: impl AsyncFnOnce(&Client) -> anyhow::Result<T>) -> LogResult<T> {
         let rt = self.rt.clone();
         let limit = self.settings.call_timeout;
         let client = self.client()?;
@@ -391,12 +391,12 @@ impl PostgresChangeLog {
             self.client = None;
             self.insert = None;
         }
-        result
+        result.map_err(LogError::from)
     }
 
     fn setup(&mut self) -> anyhow::Result<()> {
         let s = self.schema.clone();
-        self.run(async |c| {
+        Ok(self.run(async |c| {
             c.batch_execute(&format!(
                 r#"
                 CREATE SCHEMA IF NOT EXISTS {s};
@@ -478,7 +478,7 @@ impl PostgresChangeLog {
                 "the change DB schema {s} is at version {version}; this Sluice writes version {SCHEMA_VERSION}"
             );
             Ok(())
-        })
+        })?)
     }
 }
 
@@ -487,7 +487,7 @@ impl ChangeLog for PostgresChangeLog {
         true
     }
 
-    fn state(&mut self) -> anyhow::Result<Option<LogState>> {
+    fn state(&mut self) -> LogResult<Option<LogState>> {
         let s = self.schema.clone();
         self.run(async |c| {
             let config = c
@@ -514,7 +514,7 @@ impl ChangeLog for PostgresChangeLog {
         })
     }
 
-    fn reset(&mut self, replica_version: &str) -> anyhow::Result<()> {
+    fn reset(&mut self, replica_version: &str) -> LogResult<()> {
         let s = self.schema.clone();
         let rv = replica_version.to_string();
         let keep = self.state_enabled;
@@ -532,8 +532,8 @@ impl ChangeLog for PostgresChangeLog {
         })
     }
 
-    fn start_lineage(&mut self, lineage: &NewLineage) -> anyhow::Result<()> {
-        anyhow::ensure!(self.in_transaction, "a lineage starts inside a storage transaction");
+    fn start_lineage(&mut self, lineage: &NewLineage) -> LogResult<()> {
+        super::ensure_log!(self.in_transaction, "a lineage starts inside a storage transaction");
         let s = self.schema.clone();
         let owner = (lineage.owner.as_str(), lineage.owner_address.as_str());
         let keep = self.state_enabled;
@@ -550,7 +550,7 @@ impl ChangeLog for PostgresChangeLog {
         Ok(())
     }
 
-    fn mark_reset_required(&mut self) -> anyhow::Result<()> {
+    fn mark_reset_required(&mut self) -> LogResult<()> {
         let s = self.schema.clone();
         self.run(async |c| {
             c.execute(&format!(r#"UPDATE {s}."replicationConfig" SET "resetRequired" = true"#), &[])
@@ -560,7 +560,7 @@ impl ChangeLog for PostgresChangeLog {
         })
     }
 
-    fn assume_ownership(&mut self, task_id: &str, address: &str) -> anyhow::Result<()> {
+    fn assume_ownership(&mut self, task_id: &str, address: &str) -> LogResult<()> {
         let s = self.schema.clone();
         let (task, addr) = (task_id.to_string(), address.to_string());
         self.run(async |c| {
@@ -577,7 +577,7 @@ impl ChangeLog for PostgresChangeLog {
         })
     }
 
-    fn begin(&mut self) -> anyhow::Result<()> {
+    fn begin(&mut self) -> LogResult<()> {
         // Whatever came before is over (the storer rolls back after an
         // error), so a lost connection may be replaced here.
         self.in_transaction = false;
@@ -608,15 +608,15 @@ impl ChangeLog for PostgresChangeLog {
         }
     }
 
-    fn savepoint(&mut self) -> anyhow::Result<()> {
+    fn savepoint(&mut self) -> LogResult<()> {
         self.run(async |c| c.batch_execute("SAVEPOINT upstream_tx").await.map_err(|e| classify(e, "SAVEPOINT")))
     }
 
-    fn release_savepoint(&mut self) -> anyhow::Result<()> {
+    fn release_savepoint(&mut self) -> LogResult<()> {
         self.run(async |c| c.batch_execute("RELEASE SAVEPOINT upstream_tx").await.map_err(|e| classify(e, "RELEASE")))
     }
 
-    fn rollback_to_savepoint(&mut self) -> anyhow::Result<()> {
+    fn rollback_to_savepoint(&mut self) -> LogResult<()> {
         self.relations.clear();
         let s = self.schema.clone();
         let kept = self.run(async |c| {
@@ -629,7 +629,7 @@ impl ChangeLog for PostgresChangeLog {
         Ok(())
     }
 
-    fn append(&mut self, rows: &[LogRow<'_>]) -> anyhow::Result<()> {
+    fn append(&mut self, rows: &[LogRow<'_>]) -> LogResult<()> {
         if rows.is_empty() {
             return Ok(());
         }
@@ -660,18 +660,17 @@ impl ChangeLog for PostgresChangeLog {
             Ok(stmt)
         })?;
         self.insert = Some(stmt);
-        self.keep_state(rows)
+        Ok(self.keep_state(rows)?)
     }
 
-    fn commit(&mut self, last_watermark: &str) -> anyhow::Result<()> {
+    fn commit(&mut self, last_watermark: &str) -> LogResult<()> {
         let owner = self.owner_at_begin.take().flatten();
         if owner.as_deref() != Some(self.settings.task_id.as_str()) {
             let _ = self.rollback();
-            return Err(StorageError::OwnershipLost(format!(
+            return Err(LogError::OwnershipLost(format!(
                 "changeLog ownership has been assumed by {}",
                 owner.as_deref().unwrap_or("nobody")
-            ))
-            .into());
+            )));
         }
         let s = self.schema.clone();
         let last = last_watermark.to_string();
@@ -696,7 +695,7 @@ impl ChangeLog for PostgresChangeLog {
         result
     }
 
-    fn rollback(&mut self) -> anyhow::Result<()> {
+    fn rollback(&mut self) -> LogResult<()> {
         self.relations.clear();
         self.owner_at_begin = None;
         self.in_transaction = false;
@@ -706,7 +705,7 @@ impl ChangeLog for PostgresChangeLog {
         Ok(())
     }
 
-    fn bounds(&mut self) -> anyhow::Result<Bounds> {
+    fn bounds(&mut self) -> LogResult<Bounds> {
         let s = self.schema.clone();
         self.run(async |c| bounds(c, &s).await)
     }
@@ -1077,7 +1076,7 @@ impl LogReader for PostgresReader {
                     .map_err(|e| classify(e, "reading the owner"))?
                     .get(0);
                 if owner.as_deref() != Some(settings.task_id.as_str()) {
-                    anyhow::bail!(StorageError::OwnershipLost(format!(
+                    anyhow::bail!(LogError::OwnershipLost(format!(
                         "aborting changeLog purge to {floor} because ownership has been taken by {}",
                         owner.as_deref().unwrap_or("nobody")
                     )));
@@ -1125,6 +1124,10 @@ impl LogReader for PostgresReader {
 /// starting up or shutting down, too many connections), as opposed to one the
 /// server refused for its configuration (authentication, a missing database).
 fn is_unreachable(e: &anyhow::Error) -> bool {
+    // A backend failure carried up as an error of the log: look inside.
+    if let Some(LogError::Backend(inner)) = e.downcast_ref::<LogError>() {
+        return is_unreachable(inner);
+    }
     let silent = |c: &(dyn std::error::Error + 'static)| {
         c.downcast_ref::<NoAnswer>().is_some()
             || matches!(c.downcast_ref::<pgconn::ConnectError>(), Some(pgconn::ConnectError::TimedOut(_)))

@@ -15,7 +15,8 @@ use rusqlite::{params, Connection, OptionalExtension};
 
 use super::state::{self, StateStore};
 use super::{
-    Bounds, ChangeLog, LogReader, LogRow, LogSnapshot, LogState, NewLineage, StateRow, StoredRow, SQLITE_INSERT_ROWS,
+    Bounds, ChangeLog, LogReader, LogResult, LogRow, LogSnapshot, LogState, NewLineage, StateRow, StoredRow,
+    SQLITE_INSERT_ROWS,
 };
 
 /// 2 added the table state; a version-1 file is upgraded in place (its
@@ -225,7 +226,7 @@ fn seed_lineage(
 }
 
 impl ChangeLog for SqliteChangeLog {
-    fn state(&mut self) -> anyhow::Result<Option<LogState>> {
+    fn state(&mut self) -> LogResult<Option<LogState>> {
         let config: Option<(String, bool)> = self
             .conn
             .query_row(r#"SELECT replicaVersion, resetRequired FROM "replicationConfig""#, [], |r| {
@@ -243,7 +244,7 @@ impl ChangeLog for SqliteChangeLog {
         Ok(Some(LogState { replica_version, last_watermark, reset_required, owner }))
     }
 
-    fn reset(&mut self, replica_version: &str) -> anyhow::Result<()> {
+    fn reset(&mut self, replica_version: &str) -> LogResult<()> {
         self.relations.clear();
         let tx = self.conn.transaction()?;
         seed_lineage(&tx, replica_version, None, self.state_enabled)?;
@@ -252,8 +253,8 @@ impl ChangeLog for SqliteChangeLog {
         Ok(())
     }
 
-    fn start_lineage(&mut self, lineage: &NewLineage) -> anyhow::Result<()> {
-        anyhow::ensure!(!self.conn.is_autocommit(), "a lineage starts inside a storage transaction");
+    fn start_lineage(&mut self, lineage: &NewLineage) -> LogResult<()> {
+        super::ensure_log!(!self.conn.is_autocommit(), "a lineage starts inside a storage transaction");
         self.relations.clear();
         let owner = Some((lineage.owner.as_str(), lineage.owner_address.as_str()));
         seed_lineage(&self.conn, &lineage.replica_version, owner, self.state_enabled)
@@ -262,40 +263,40 @@ impl ChangeLog for SqliteChangeLog {
         Ok(())
     }
 
-    fn mark_reset_required(&mut self) -> anyhow::Result<()> {
+    fn mark_reset_required(&mut self) -> LogResult<()> {
         self.conn.execute(r#"UPDATE "replicationConfig" SET resetRequired = 1"#, [])?;
         Ok(())
     }
 
-    fn assume_ownership(&mut self, task_id: &str, address: &str) -> anyhow::Result<()> {
+    fn assume_ownership(&mut self, task_id: &str, address: &str) -> LogResult<()> {
         self.conn.execute(r#"UPDATE "replicationState" SET owner = ?, ownerAddress = ?"#, params![task_id, address])?;
         Ok(())
     }
 
-    fn begin(&mut self) -> anyhow::Result<()> {
+    fn begin(&mut self) -> LogResult<()> {
         self.conn.execute_batch("BEGIN IMMEDIATE")?;
         self.keep_state = self.state_enabled && self.state_kept()?;
         Ok(())
     }
 
-    fn savepoint(&mut self) -> anyhow::Result<()> {
+    fn savepoint(&mut self) -> LogResult<()> {
         self.conn.execute_batch("SAVEPOINT upstream_tx")?;
         Ok(())
     }
 
-    fn release_savepoint(&mut self) -> anyhow::Result<()> {
+    fn release_savepoint(&mut self) -> LogResult<()> {
         self.conn.execute_batch("RELEASE upstream_tx")?;
         Ok(())
     }
 
-    fn rollback_to_savepoint(&mut self) -> anyhow::Result<()> {
+    fn rollback_to_savepoint(&mut self) -> LogResult<()> {
         self.relations.clear();
         self.conn.execute_batch("ROLLBACK TO upstream_tx; RELEASE upstream_tx")?;
         self.keep_state = self.state_enabled && self.state_kept()?;
         Ok(())
     }
 
-    fn append(&mut self, rows: &[LogRow<'_>]) -> anyhow::Result<()> {
+    fn append(&mut self, rows: &[LogRow<'_>]) -> LogResult<()> {
         // Commit rows carry the time they were stored, for the retention window.
         let now_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -317,16 +318,16 @@ impl ChangeLog for SqliteChangeLog {
                 format!("inserting {} change-log rows at watermark {}", chunk.len(), chunk[0].watermark)
             })?;
         }
-        self.keep_state(rows)
+        Ok(self.keep_state(rows)?)
     }
 
-    fn commit(&mut self, last_watermark: &str) -> anyhow::Result<()> {
+    fn commit(&mut self, last_watermark: &str) -> LogResult<()> {
         self.conn.prepare_cached(r#"UPDATE "replicationState" SET lastWatermark = ?"#)?.execute([last_watermark])?;
         self.conn.execute_batch("COMMIT")?;
         Ok(())
     }
 
-    fn rollback(&mut self) -> anyhow::Result<()> {
+    fn rollback(&mut self) -> LogResult<()> {
         self.relations.clear();
         if !self.conn.is_autocommit() {
             self.conn.execute_batch("ROLLBACK")?;
@@ -334,7 +335,7 @@ impl ChangeLog for SqliteChangeLog {
         Ok(())
     }
 
-    fn bounds(&mut self) -> anyhow::Result<Bounds> {
+    fn bounds(&mut self) -> LogResult<Bounds> {
         let min_watermark: Option<String> =
             self.conn.query_row(r#"SELECT min(watermark) FROM "changeLog""#, [], |r| r.get(0))?;
         let last_watermark: String =

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::{Bounds, ChangeLog, LogRow, LogState, NewLineage};
+use super::{Bounds, ChangeLog, LogResult, LogRow, LogState, NewLineage};
 use crate::status::Status;
 
 pub struct WatchedLog {
@@ -28,46 +28,46 @@ macro_rules! watched {
 }
 
 impl ChangeLog for WatchedLog {
-    fn state(&mut self) -> anyhow::Result<Option<LogState>> {
+    fn state(&mut self) -> LogResult<Option<LogState>> {
         watched!(self, self.inner.state())
     }
-    fn reset(&mut self, replica_version: &str) -> anyhow::Result<()> {
+    fn reset(&mut self, replica_version: &str) -> LogResult<()> {
         watched!(self, self.inner.reset(replica_version))
     }
-    fn start_lineage(&mut self, lineage: &NewLineage) -> anyhow::Result<()> {
+    fn start_lineage(&mut self, lineage: &NewLineage) -> LogResult<()> {
         watched!(self, self.inner.start_lineage(lineage))
     }
-    fn mark_reset_required(&mut self) -> anyhow::Result<()> {
+    fn mark_reset_required(&mut self) -> LogResult<()> {
         watched!(self, self.inner.mark_reset_required())
     }
-    fn assume_ownership(&mut self, task_id: &str, address: &str) -> anyhow::Result<()> {
+    fn assume_ownership(&mut self, task_id: &str, address: &str) -> LogResult<()> {
         watched!(self, self.inner.assume_ownership(task_id, address))
     }
     fn shared(&self) -> bool {
         self.inner.shared()
     }
-    fn begin(&mut self) -> anyhow::Result<()> {
+    fn begin(&mut self) -> LogResult<()> {
         watched!(self, self.inner.begin())
     }
-    fn savepoint(&mut self) -> anyhow::Result<()> {
+    fn savepoint(&mut self) -> LogResult<()> {
         watched!(self, self.inner.savepoint())
     }
-    fn release_savepoint(&mut self) -> anyhow::Result<()> {
+    fn release_savepoint(&mut self) -> LogResult<()> {
         watched!(self, self.inner.release_savepoint())
     }
-    fn rollback_to_savepoint(&mut self) -> anyhow::Result<()> {
+    fn rollback_to_savepoint(&mut self) -> LogResult<()> {
         watched!(self, self.inner.rollback_to_savepoint())
     }
-    fn append(&mut self, rows: &[LogRow<'_>]) -> anyhow::Result<()> {
+    fn append(&mut self, rows: &[LogRow<'_>]) -> LogResult<()> {
         watched!(self, self.inner.append(rows))
     }
-    fn commit(&mut self, last_watermark: &str) -> anyhow::Result<()> {
+    fn commit(&mut self, last_watermark: &str) -> LogResult<()> {
         watched!(self, self.inner.commit(last_watermark))
     }
-    fn rollback(&mut self) -> anyhow::Result<()> {
+    fn rollback(&mut self) -> LogResult<()> {
         watched!(self, self.inner.rollback())
     }
-    fn bounds(&mut self) -> anyhow::Result<Bounds> {
+    fn bounds(&mut self) -> LogResult<Bounds> {
         watched!(self, self.inner.bounds())
     }
 }

@@ -19,7 +19,7 @@ use crate::hub::Hub;
 use crate::source::model::{Control, Message};
 use crate::source::{ChangeSource, ChangeStream, Resume, SourceError};
 use crate::status::{LineageState, SourceState, Stage, Status, TableProgress};
-use crate::storage::{ChangeLog, NewLineage};
+use crate::storage::{ChangeLog, LogError, LogResult, NewLineage};
 use crate::storer::{Establish, Storer, StorerOptions};
 use acker::UpstreamAcker;
 use backoff::Backoff;
@@ -82,10 +82,10 @@ enum PassEnd {
 
 /// A change-log failure: stop cleanly for ownership loss or dropped
 /// tables, retry for anything else (a lost connection, a full disk).
-fn storage_end(e: &anyhow::Error) -> PassEnd {
-    match crate::storage::StorageError::find(e) {
-        Some(se) => PassEnd::Stop(se.to_string()),
-        None => PassEnd::RetryStorage(format!("change log: {e:#}")),
+fn storage_end(e: &LogError) -> PassEnd {
+    match e {
+        LogError::OwnershipLost(_) | LogError::Gone(_) => PassEnd::Stop(e.to_string()),
+        LogError::Backend(e) => PassEnd::RetryStorage(format!("change log: {e:#}")),
     }
 }
 
@@ -233,7 +233,7 @@ impl Streamer {
     }
 
     /// Runs blocking change-log work without stalling the runtime's other tasks.
-    fn with_log<R>(&mut self, f: impl FnOnce(&mut dyn ChangeLog) -> anyhow::Result<R>) -> Result<R, PassEnd> {
+    fn with_log<R>(&mut self, f: impl FnOnce(&mut dyn ChangeLog) -> LogResult<R>) -> Result<R, PassEnd> {
         let log = self.log.as_mut().expect("the change log is home between passes");
         tokio::task::block_in_place(|| f(log.as_mut())).map_err(|e| storage_end(&e))
     }

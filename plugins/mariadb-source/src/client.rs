@@ -11,6 +11,8 @@ use crate::wire::{put_lenenc, Conn, Cursor};
 const CLIENT_LONG_PASSWORD: u32 = 1;
 const CLIENT_LONG_FLAG: u32 = 4;
 const CLIENT_PROTOCOL_41: u32 = 0x200;
+/// TLS: asked for with an SSL request before the handshake response.
+const CLIENT_SSL: u32 = 0x800;
 const CLIENT_TRANSACTIONS: u32 = 0x2000;
 const CLIENT_SECURE_CONNECTION: u32 = 0x8000;
 const CLIENT_MULTI_RESULTS: u32 = 0x2_0000;
@@ -59,15 +61,25 @@ pub struct Client {
 pub type Row = Vec<Option<Vec<u8>>>;
 
 impl Client {
-    pub fn connect(host: &str, port: u16, user: &str, password: &str, timeout: Duration) -> CResult<Client> {
-        let stream = sluice_plugin_sdk::net::connect(host, port, timeout)?;
+    /// With `tls`, the connection goes through the host's TLS tunnel and
+    /// upgrades as the protocol does: after the greeting, an SSL request
+    /// (the first 32 bytes of the handshake response) in the clear, then
+    /// the host's handshake, then the handshake response over TLS, its
+    /// sequence numbers continuing from the SSL request's.
+    pub fn connect(host: &str, port: u16, user: &str, password: &str, timeout: Duration, tls: bool) -> CResult<Client> {
+        let (stream, tunnel) = if tls {
+            let (tunnel, stream) = sluice_plugin_sdk::net::Tunnel::connect(host, port, timeout)?;
+            (stream, Some(tunnel))
+        } else {
+            (sluice_plugin_sdk::net::connect(host, port, timeout)?, None)
+        };
         let mut conn = Conn::new(stream, timeout)?;
         let hello = conn.read_packet()?;
         if hello.first() == Some(&0xff) {
             return Err(server_error(&hello));
         }
         let hs = Handshake::parse(&hello).map_err(|e| format!("bad handshake from the server: {e}"))?;
-        let caps = CLIENT_LONG_PASSWORD
+        let mut caps = CLIENT_LONG_PASSWORD
             | CLIENT_LONG_FLAG
             | CLIENT_PROTOCOL_41
             | CLIENT_TRANSACTIONS
@@ -77,6 +89,23 @@ impl Client {
             | CLIENT_PLUGIN_AUTH_LENENC;
         if hs.capabilities & CLIENT_PROTOCOL_41 == 0 {
             return Err(ClientError::Io("the server does not speak protocol 4.1".into()));
+        }
+        if let Some(tunnel) = &tunnel {
+            if hs.capabilities & CLIENT_SSL == 0 {
+                return Err(ClientError::Io(
+                    "the MariaDB server does not offer TLS (start it with ssl_cert and ssl_key), and the source \
+                     config asks for it"
+                        .into(),
+                ));
+            }
+            caps |= CLIENT_SSL;
+            let mut request = Vec::with_capacity(32);
+            request.extend_from_slice(&caps.to_le_bytes());
+            request.extend_from_slice(&(16u32 << 20).to_le_bytes());
+            request.push(UTF8MB4);
+            request.extend_from_slice(&[0u8; 23]);
+            conn.write_packet(&request)?;
+            tunnel.start_tls(conn.written()).map_err(ClientError::Io)?;
         }
         // Answer with mysql_native_password whatever the server's default
         // plugin is; a user set up with another plugin gets an AuthSwitch.

@@ -68,15 +68,14 @@ pub struct Config {
     /// Snapshot rows per `next-batch` call at most.
     #[serde(default = "default_snapshot_batch")]
     pub snapshot_batch_rows: u32,
-    /// TLS to the server. The guest has no TLS stack: the host's forwarder
-    /// does the upgrade and checks the certificate (`tls_ca`, else the
-    /// system's CAs), and sets `tls_via`, which the plugin dials instead.
+    /// TLS to the server, through the host's tunnel (the contract's `tls`
+    /// interface): the plugin upgrades inside the protocol, the host does
+    /// the handshake and checks the certificate (`tls_ca`, read by the
+    /// host, else the system's CAs).
     #[serde(default)]
     pub tls: bool,
     #[serde(default)]
     pub tls_ca: Option<String>,
-    #[serde(default)]
-    pub tls_via: Option<String>,
 }
 
 fn default_port() -> u16 {
@@ -134,25 +133,14 @@ impl Config {
     /// Connects and authenticates; a refused password is a configuration
     /// error (retrying will not help), anything else transient.
     pub fn connect(&self) -> Result<Client, PluginError> {
-        let (host, port) = match (&self.tls_via, self.tls) {
-            (Some(via), _) => {
-                let bad = || PluginError::InvalidConfig(format!("tls_via {via:?} is not HOST:PORT"));
-                let (h, p) = via.rsplit_once(':').ok_or_else(bad)?;
-                (h.to_string(), p.parse().map_err(|_| bad())?)
-            }
-            (None, true) => {
-                return Err(PluginError::InvalidConfig(
-                    "`tls` needs the host's TLS forwarder (run the plugin under `sluice run`)".into(),
-                ))
-            }
-            (None, false) => (self.host.clone(), self.port),
-        };
-        Client::connect(&host, port, &self.user, &self.password, self.timeout()).map_err(|e| match e {
-            ClientError::Server { code: client::ACCESS_DENIED, message } => {
-                PluginError::InvalidConfig(format!("MariaDB at {} refused the login: {message}", self.endpoint()))
-            }
-            e => PluginError::Transient(format!("cannot reach MariaDB at {}: {e}", self.endpoint())),
-        })
+        Client::connect(&self.host, self.port, &self.user, &self.password, self.timeout(), self.tls).map_err(
+            |e| match e {
+                ClientError::Server { code: client::ACCESS_DENIED, message } => {
+                    PluginError::InvalidConfig(format!("MariaDB at {} refused the login: {message}", self.endpoint()))
+                }
+                e => PluginError::Transient(format!("cannot reach MariaDB at {}: {e}", self.endpoint())),
+            },
+        )
     }
 }
 

@@ -22,6 +22,9 @@ pub struct Conn {
     nonblocking: bool,
     /// The read timeout in blocking mode.
     timeout: Duration,
+    /// Bytes written to the server so far (where TLS starts, see
+    /// `Client::connect`).
+    written: u64,
 }
 
 /// What a non-blocking read produced.
@@ -35,7 +38,12 @@ impl Conn {
     /// A connection over `stream`, whose read and write timeouts are
     /// `timeout` already (`sluice_plugin_sdk::net::connect` sets them).
     pub fn new(stream: TcpStream, timeout: Duration) -> Result<Conn, String> {
-        Ok(Conn { stream, buf: Vec::with_capacity(64 << 10), pos: 0, seq: 0, nonblocking: false, timeout })
+        Ok(Conn { stream, buf: Vec::with_capacity(64 << 10), pos: 0, seq: 0, nonblocking: false, timeout, written: 0 })
+    }
+
+    /// Every byte written to the server so far.
+    pub fn written(&self) -> u64 {
+        self.written
     }
 
     /// Starts a new command: the client's first packet has sequence 0.
@@ -61,7 +69,9 @@ impl Conn {
                 self.seq = self.seq.wrapping_add(1);
             }
         }
-        self.stream.write_all(&out).map_err(|e| io_error("writing to the server", e))
+        self.stream.write_all(&out).map_err(|e| io_error("writing to the server", e))?;
+        self.written += out.len() as u64;
+        Ok(())
     }
 
     /// Reads one whole packet, waiting up to the connection's timeout.

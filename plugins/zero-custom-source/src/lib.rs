@@ -56,13 +56,8 @@ struct Config {
     shard_num: u32,
     #[serde(default)]
     publications: Vec<String>,
-    /// Set by the host for a `wss://` or `https://` URL: the loopback
-    /// address of its TLS forwarder, which the plugin dials instead (the
-    /// guest has no TLS stack; the host's rustls checks the upstream).
-    #[serde(rename = "tls_via", default)]
-    tls_via: Option<String>,
-    /// The CA file the host's forwarder checks the upstream with (read by
-    /// the host; the system's CAs without it).
+    /// The CA file the host checks a `wss://` or `https://` upstream with
+    /// (read by the host, which does the TLS; the system's CAs without it).
     #[serde(rename = "tls_ca", default)]
     _tls_ca: Option<String>,
     /// Connect and handshake timeout.
@@ -107,12 +102,9 @@ impl Config {
         let invalid =
             |m: String| PluginError::InvalidConfig(format!("zero-custom-source config: url {:?}: {m}", self.url));
         let uri: Uri = self.url.parse().map_err(|e: tungstenite::http::uri::InvalidUri| invalid(e.to_string()))?;
-        let via = match uri.scheme_str() {
-            Some("ws" | "http") => None,
-            Some("wss" | "https") => match &self.tls_via {
-                Some(via) => Some(via.clone()),
-                None => return Err(invalid("TLS needs the host's TLS forwarder (run it under `sluice run`)".into())),
-            },
+        let tls = match uri.scheme_str() {
+            Some("ws" | "http") => false,
+            Some("wss" | "https") => true,
             Some(other) => return Err(invalid(format!("scheme {other}: is not ws://, wss://, http:// or https://"))),
             None => return Err(invalid("no scheme (ws:// or wss://)".into())),
         };
@@ -138,20 +130,11 @@ impl Config {
             q.append_pair("lastWatermark", last);
             q.append_pair("replicaVersion", rv);
         }
-        // Over the forwarder the handshake still names the upstream (Host).
-        let (host, port) = match via {
-            Some(via) => {
-                let (h, p) =
-                    via.rsplit_once(':').ok_or_else(|| invalid(format!("tls_via {via:?} is not HOST:PORT")))?;
-                (h.to_string(), p.parse().map_err(|_| invalid(format!("tls_via {via:?} is not HOST:PORT")))?)
-            }
-            // `[::1]` -> `::1` for the socket address.
-            None => (
-                authority.host().trim_start_matches('[').trim_end_matches(']').to_string(),
-                authority.port_u16().unwrap_or(80),
-            ),
-        };
-        Ok(Endpoint { url: format!("ws://{}{path}?{}", authority.as_str(), q.finish()), host, port })
+        // `[::1]` -> `::1` for the socket address.
+        let host = authority.host().trim_start_matches('[').trim_end_matches(']').to_string();
+        let port = authority.port_u16().unwrap_or(if tls { 443 } else { 80 });
+        // The handshake is plain WebSocket inside the host's TLS tunnel.
+        Ok(Endpoint { url: format!("ws://{}{path}?{}", authority.as_str(), q.finish()), host, port, tls })
     }
 }
 
@@ -160,6 +143,8 @@ pub struct Endpoint {
     pub url: String,
     pub host: String,
     pub port: u16,
+    /// Through the host's TLS tunnel (a `wss://` or `https://` URL).
+    pub tls: bool,
 }
 
 struct Stream {

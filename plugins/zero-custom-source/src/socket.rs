@@ -35,7 +35,11 @@ pub enum Frame {
 impl Socket {
     /// Connects and completes the WebSocket handshake within `timeout`.
     pub fn connect(endpoint: &crate::Endpoint, timeout: Duration, ping_every: Duration) -> Result<Socket, String> {
-        let stream = sluice_plugin_sdk::net::connect(&endpoint.host, endpoint.port, timeout)?;
+        let stream = if endpoint.tls {
+            sluice_plugin_sdk::net::connect_tls(&endpoint.host, endpoint.port, timeout)?
+        } else {
+            sluice_plugin_sdk::net::connect(&endpoint.host, endpoint.port, timeout)?
+        };
         let config = WebSocketConfig::default();
         let (ws, _response) = tungstenite::client::client_with_config(endpoint.url.as_str(), stream, Some(config))
             .map_err(|e| match e {
