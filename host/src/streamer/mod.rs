@@ -836,6 +836,9 @@ impl StreamState {
 }
 
 #[cfg(test)]
+mod rules;
+
+#[cfg(test)]
 mod tests {
     use super::eta_text;
 
