@@ -12,26 +12,21 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Bytes a subscriber may have sent to it and not acknowledged. A Zero
-/// client acknowledges as it reads, so only a peer that stopped
-/// acknowledging (or reading) reaches it.
-pub const SEND_WINDOW_BYTES: usize = 1 << 20;
-
-use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::WebSocketUpgrade;
 use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::response::Response;
 
 use super::access::Refusal;
-use super::outbox::{envelope, Outbox};
+use super::closing::{close_with_error, elide, until_closed, PROTOCOL_ERROR};
 use super::websocket::{self, Incoming, Socket};
 use super::AppState;
-use crate::filter::{FilterGroup, Outcome};
-use crate::subscriber::{Connection, ErrorType, Frame, Mode, Subscriber};
+use crate::filter::FilterGroup;
+use crate::subscriber::sending::{AckOutcome, Batch, Released};
+use crate::subscriber::{Connection, ErrorType, Frame, Mode, Sending, Subscriber};
 
 /// Protocol versions of `@rocicorp/zero` 1.9.0's change-streamer.
 pub const MIN_PROTOCOL: u32 = 1;
 pub const MAX_PROTOCOL: u32 = 6;
-const PROTOCOL_ERROR: u16 = 1002;
 
 /// The largest message a subscriber may send. It sends acks of a few dozen
 /// bytes; a bigger message is refused as it arrives instead of buffered.
@@ -140,14 +135,8 @@ pub async fn snapshot(
     }))
 }
 
-/// Closes with 1002 and `Error: <message>`, cut to 123 bytes like Zero's `elide`.
-pub async fn close_with_error(mut socket: WebSocket, message: &str) {
-    tracing::info!("closing subscriber connection: {message}");
-    let _ = socket.send(error_close(message)).await;
-}
-
-/// Refuses a subscription: the close [`close_with_error`] sends, on a
-/// subscriber socket.
+/// Refuses a subscription: the close `closing::close_with_error` sends, on
+/// a subscriber socket.
 async fn refuse<S: Io>(mut socket: Socket<S>, message: &str) {
     tracing::info!("closing subscriber connection: {message}");
     let reason = format!("Error: {message}");
@@ -160,21 +149,13 @@ async fn refuse<S: Io>(mut socket: Socket<S>, message: &str) {
     socket.close(PROTOCOL_ERROR, &elide(&reason, 123)).await;
 }
 
-/// The close frame [`close_with_error`] sends.
-pub fn error_close(message: &str) -> Message {
-    let reason = elide(&format!("Error: {message}"), 123);
-    Message::Close(Some(CloseFrame { code: PROTOCOL_ERROR, reason: reason.into() }))
-}
-
-fn elide(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
+impl<S: Io> crate::subscriber::sending::Outgoing for Socket<S> {
+    fn reserve(&mut self, bytes: usize) {
+        Socket::reserve(self, bytes);
     }
-    let mut end = max - 3;
-    while !s.is_char_boundary(end) {
-        end -= 1;
+    fn queue_text(&mut self, parts: &[&[u8]]) {
+        Socket::queue_text(self, parts);
     }
-    format!("{}...", &s[..end])
 }
 
 /// The byte stream under a subscriber's WebSocket.
@@ -237,14 +218,10 @@ impl Read {
     }
 }
 
-/// What the acks read in one go released.
+/// What the reads taken in one go did.
 #[derive(Default)]
-struct Acked {
-    messages: u64,
-    /// Their JSON bytes.
-    bytes: usize,
-    /// The last commit among them.
-    commit: Option<Arc<str>>,
+struct Taken {
+    released: Released,
     /// A ping came: its pong is queued.
     pong: bool,
 }
@@ -265,51 +242,45 @@ enum Ending {
 }
 
 /// Takes `first` and every read that has already arrived after it, releasing
-/// acknowledged messages from `outbox`, until one ends the connection.
+/// acknowledged messages, until one ends the connection.
 fn take_reads<S: Io>(
     first: Result<Read, websocket::ReadError>,
     socket: &mut Socket<S>,
-    outbox: &mut Outbox,
-) -> (Acked, Ending) {
-    let mut acked = Acked::default();
+    sending: &mut Sending,
+) -> (Taken, Ending) {
+    let mut taken = Taken::default();
     let mut read = first;
     loop {
         match read {
-            Ok(Read::Ack(Ok(id))) => match outbox.ack(id) {
-                // The error message (never counted as pending).
-                Ok(front) if front.last => return (acked, Ending::AfterError),
-                Ok(front) => {
-                    acked.messages += 1;
-                    acked.bytes += front.bytes;
-                    if front.commit.is_some() {
-                        acked.commit = front.commit;
-                    }
-                }
-                Err(e) => return (acked, Ending::Refused(e)),
+            Ok(Read::Ack(Ok(id))) => match sending.ack(id, &mut taken.released) {
+                Ok(AckOutcome::Released) => {}
+                Ok(AckOutcome::ErrorAcknowledged) => return (taken, Ending::AfterError),
+                Err(e) => return (taken, Ending::Refused(e)),
             },
-            Ok(Read::Ack(Err(e))) => return (acked, Ending::Refused(e)),
-            Ok(Read::Binary) => return (acked, Ending::Refused("Expected string message".into())),
-            Ok(Read::Ping) => acked.pong = true,
+            Ok(Read::Ack(Err(e))) => return (taken, Ending::Refused(e)),
+            Ok(Read::Binary) => return (taken, Ending::Refused("Expected string message".into())),
+            Ok(Read::Ping) => taken.pong = true,
             Ok(Read::Pong) => {}
-            Ok(Read::Close) => return (acked, Ending::Peer),
+            Ok(Read::Close) => return (taken, Ending::Peer),
             // Tell the subscriber why (a reset needs no close frame, and
             // gets none).
             Err(e @ websocket::ReadError::TooLong(..)) => {
-                return (acked, Ending::Refused(format!("connection error: {e}")));
+                return (taken, Ending::Refused(format!("connection error: {e}")));
             }
-            Err(websocket::ReadError::Protocol(why)) => return (acked, Ending::Protocol(why)),
-            Err(e) => return (acked, Ending::Lost(format!("connection error: {e}"))),
+            Err(websocket::ReadError::Protocol(why)) => return (taken, Ending::Protocol(why)),
+            Err(e) => return (taken, Ending::Lost(format!("connection error: {e}"))),
         }
         read = match socket.next_buffered(Read::of) {
             Ok(Some(r)) => Ok(r),
-            Ok(None) => return (acked, Ending::Not),
+            Ok(None) => return (taken, Ending::Not),
             Err(e) => Err(e),
         };
     }
 }
 
 /// Sends the subscriber's queue and reads its acks until either side ends;
-/// returns why.
+/// returns why. What to send, and what an ack releases, is [`Sending`]'s;
+/// this is the transport: pings, reads, writes, and how the socket ends.
 async fn pump<S: Io>(
     mut socket: Socket<S>,
     sub: &Arc<Subscriber>,
@@ -320,15 +291,11 @@ async fn pump<S: Io>(
 ) -> String {
     let stopping = super::stopping(shutdown);
     tokio::pin!(stopping);
-    let mut outbox = Outbox::default();
+    let mut sending = Sending::new(sub.clone(), filter);
     let mut alive = true;
-    let mut filter_failed = false;
     let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + ping_every, ping_every);
     loop {
-        // A peer that leaves a window's worth unacknowledged gets no more
-        // writes until it acknowledges (or is closed): what waits stays
-        // queued, where the memory budget sees it.
-        let window_full = outbox.bytes_in_flight() >= SEND_WINDOW_BYTES && !sub.is_closed();
+        let window_full = sending.window_full();
         // In this order: stopping, pings and acks are cheap and come first
         // (acks make room for what waits), then what there is to write.
         tokio::select! {
@@ -351,12 +318,10 @@ async fn pump<S: Io>(
             read = socket.next(Read::of) => {
                 alive = true;
                 // This read and every other that has already arrived.
-                let (acked, ending) = take_reads(read, &mut socket, &mut outbox);
-                if acked.messages > 0 {
-                    sub.consumed_many(acked.messages, acked.bytes, acked.commit.as_ref());
-                }
+                let (taken, ending) = take_reads(read, &mut socket, &mut sending);
+                sending.consumed(&taken.released);
                 match ending {
-                    Ending::Not if acked.pong => {
+                    Ending::Not if taken.pong => {
                         // A pong is queued.
                         if let Err(e) = until_closed(sub, socket.flush()).await {
                             return e;
@@ -388,73 +353,16 @@ async fn pump<S: Io>(
                 let mut frames = Vec::with_capacity(conn.frames.len().min(WRITE_BATCH_FRAMES - 1) + 1);
                 frames.push(frame);
                 let batch_bytes = first_bytes + conn.frames.take_into(&mut frames, WRITE_BATCH_FRAMES, WRITE_BATCH_BYTES.saturating_sub(first_bytes));
-                let taken = frames.iter().flatten().filter(|f| matches!(f, Frame::Message { .. })).map(Frame::json_len);
-                sub.taken(taken.sum());
-                if sub.is_closed() {
-                    // Closed (for its limits or the memory budget): what is
-                    // still queued would only delay the error message behind
-                    // it; the peer resumes from its last commit anyway.
-                    frames.retain(|f| !matches!(f, Some(Frame::Message { .. })));
-                    if frames.is_empty() {
-                        continue;
-                    }
-                }
-                let outcomes = match &filter {
-                    Some(group) if !filter_failed => match filter_frames(group, &frames).await {
-                        Ok(o) => o,
-                        Err(message) => {
-                            // Nothing more reaches this subscriber unfiltered.
-                            tracing::warn!("closing a filtered subscriber: {message}");
-                            filter_failed = true;
-                            sub.close(Some((ErrorType::Unknown, message)));
-                            Vec::new()
-                        }
-                    },
-                    _ => Vec::new(),
+                let closing = match sending.prepare(frames, batch_bytes, &mut socket).await {
+                    Batch::Empty => continue,
+                    Batch::Written { closing } => closing,
                 };
-                let mut outcomes = outcomes.into_iter();
-                let mut closing = false;
-                // The batch grows the write buffer once, not frame by frame
-                // (an envelope and frame header take under 48 bytes).
-                socket.reserve(batch_bytes + 48 * frames.len());
-                for frame in frames {
-                    let (json, bytes, commit, last) = match frame {
-                        Some(Frame::Message { json, commit }) => {
-                            let n = json.len();
-                            if filter.is_some() && crate::filter::is_data(&json) {
-                                match outcomes.next() {
-                                    Some(Outcome::Keep) => (json, n, commit, false),
-                                    Some(Outcome::Replace(other)) => (other, n, commit, false),
-                                    // Dropped (or the filter failed): consumed as if acked.
-                                    Some(Outcome::Drop) | None => {
-                                        sub.consumed(n, None);
-                                        continue;
-                                    }
-                                }
-                            } else if filter_failed {
-                                sub.consumed(n, None);
-                                continue;
-                            } else {
-                                (json, n, commit, false)
-                            }
-                        }
-                        Some(Frame::Error(json)) => (Arc::from(json.as_str()), 0, None, true),
-                        Some(Frame::Close) | None => {
-                            closing = true;
-                            break;
-                        }
-                    };
-                    // The shared JSON goes straight into the socket's buffer
-                    // inside Zero's envelope: no text of its own per subscriber.
-                    let id = outbox.push(bytes, commit, last);
-                    socket.queue_text(&envelope(itoa::Buffer::new().format(id), &json));
-                }
                 // What is being written counts against the memory budget
                 // until it is out.
                 let writing = socket.queued();
-                sub.writing(writing);
+                sending.writing(writing);
                 let written = until_closed(sub, socket.flush()).await;
-                sub.written(writing);
+                sending.written(writing);
                 if let Err(e) = written {
                     return e;
                 }
@@ -471,52 +379,12 @@ async fn pump<S: Io>(
     }
 }
 
-/// The filter's outcome for each data message among `frames`, in order.
-async fn filter_frames(group: &Arc<FilterGroup>, frames: &[Option<Frame>]) -> Result<Vec<Outcome>, String> {
-    let data: Vec<Arc<str>> = frames
-        .iter()
-        .filter_map(|f| match f {
-            Some(Frame::Message { json, .. }) if crate::filter::is_data(json) => Some(json.clone()),
-            _ => None,
-        })
-        .collect();
-    if data.is_empty() {
-        return Ok(Vec::new());
-    }
-    group.apply(&data).await
-}
-
 /// Ends a subscriber's connection for `message` (a close with 1011);
 /// returns the message.
 async fn close_with_error_on<S: Io>(mut socket: Socket<S>, message: String) -> String {
     tracing::warn!("closing subscriber connection: {message}");
     socket.close(1011, &elide(&format!("Error: {message}"), 123)).await;
     message
-}
-
-/// Runs a socket write, giving up once the subscriber has been closed for a
-/// second: a peer that stops reading fills the socket and blocks writes, and
-/// closing it must still end the connection.
-/// The longest one write (at most 64 KiB) may wait for the peer to take
-/// it. A reader that slow (3 KiB/s) is better off catching up anew.
-pub const WRITE_STALL_LIMIT: Duration = Duration::from_secs(20);
-
-async fn until_closed<E: std::fmt::Display>(
-    sub: &Subscriber,
-    write: impl std::future::Future<Output = Result<(), E>>,
-) -> Result<(), String> {
-    tokio::select! {
-        r = write => r.map_err(|e| format!("send failed: {e}")),
-        _ = tokio::time::sleep(WRITE_STALL_LIMIT) => Err(format!(
-            "the peer took nothing of a write for {} s (a silent network path or a stuck reader)",
-            WRITE_STALL_LIMIT.as_secs()
-        )),
-        _ = async {
-            sub.closed().await;
-            // Give what was queued before the close a moment to go out.
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        } => Err("closed while the peer was not reading".into()),
-    }
 }
 
 fn parse_ack(text: &str) -> Result<u64, String> {
@@ -571,13 +439,5 @@ mod tests {
         assert!(parse_ack("{\"ack\":-1}").is_err());
         assert!(parse_ack("{\"ack\":}").is_err());
         assert!(parse_ack("{\"ack\":99999999999999999999}").is_err(), "beyond u64");
-    }
-
-    #[test]
-    fn elides_long_reasons_to_123_bytes() {
-        let long = "x".repeat(300);
-        let e = elide(&long, 123);
-        assert_eq!(e.len(), 123);
-        assert!(e.ends_with("..."));
     }
 }

@@ -4,7 +4,7 @@
 
 pub mod access;
 pub mod changes;
-pub mod outbox;
+pub mod closing;
 pub mod plugins;
 pub mod tls;
 pub mod upstream;

@@ -24,7 +24,8 @@ use axum::response::Response;
 use futures::stream::SplitSink;
 use futures::{SinkExt, StreamExt};
 
-use super::changes::{close_with_error, MAX_PROTOCOL};
+use super::changes::MAX_PROTOCOL;
+use super::closing::{close_with_error, error_close, WRITE_STALL_LIMIT};
 use super::{zero_tables, AppState};
 use crate::reservations::Reservation;
 use crate::subscriber::{Connection, Frame, Mode, Subscriber};
@@ -114,7 +115,7 @@ async fn serve(socket: WebSocket, request: StreamRequest, app: AppState) {
                 }
                 Err(e) => {
                     tracing::warn!(%consumer, "initial sync failed: {e}");
-                    let _ = tx.send(super::changes::error_close(&e)).await;
+                    let _ = tx.send(error_close(&e)).await;
                     return;
                 }
             }
@@ -226,13 +227,13 @@ async fn pump(
                         sub.consumed(json.len(), None);
                         continue;
                     }
-                    match tokio::time::timeout(super::changes::WRITE_STALL_LIMIT, tx.send(text(json.to_string()))).await {
+                    match tokio::time::timeout(WRITE_STALL_LIMIT, tx.send(text(json.to_string()))).await {
                         Ok(Ok(())) => {}
                         Ok(Err(e)) => return format!("sending: {e}"),
                         Err(_) => {
                             return format!(
                                 "the peer took nothing of a write for {} s (a silent network path or a stuck reader)",
-                                super::changes::WRITE_STALL_LIMIT.as_secs()
+                                WRITE_STALL_LIMIT.as_secs()
                             )
                         }
                     }
@@ -251,7 +252,7 @@ async fn pump(
                         let _ = tx.send(reset_required(&json)).await;
                         return format!("reset required: {json}");
                     }
-                    let _ = tx.send(super::changes::error_close(&json)).await;
+                    let _ = tx.send(error_close(&json)).await;
                     return format!("closed with {json}");
                 }
                 Some(Frame::Close) | None => return "closed by the server".into(),
@@ -266,14 +267,14 @@ async fn pump(
                             sub.consumed(0, Some(&Arc::from(w.as_str())));
                         }
                         Err(e) => {
-                            let _ = tx.send(super::changes::error_close(&e)).await;
+                            let _ = tx.send(error_close(&e)).await;
                             return e;
                         }
                     },
                     Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
                     Some(Ok(Message::Binary(_))) => {
                         let e = "Expected string message".to_string();
-                        let _ = tx.send(super::changes::error_close(&e)).await;
+                        let _ = tx.send(error_close(&e)).await;
                         return e;
                     }
                     Some(Ok(Message::Close(_))) | None => return "closed by the peer".into(),
@@ -311,7 +312,7 @@ async fn ping_peer(alive: &mut bool, tx: &mut SplitSink<WebSocket, Message>) -> 
         return Err("no pong or message since the last ping".into());
     }
     *alive = false;
-    match tokio::time::timeout(super::changes::WRITE_STALL_LIMIT, tx.send(Message::Ping(Default::default()))).await {
+    match tokio::time::timeout(WRITE_STALL_LIMIT, tx.send(Message::Ping(Default::default()))).await {
         Ok(Ok(())) => Ok(()),
         _ => Err("ping failed".to_string()),
     }

@@ -20,13 +20,16 @@ use std::time::{Duration, Instant};
 use crate::change::{Change, Kind};
 
 pub mod budget;
+pub mod outbox;
 mod queue;
+pub mod sending;
 mod signal;
 pub mod trim;
 
 pub use budget::MemoryBudget;
 pub use queue::FrameReceiver;
 use queue::FrameSender;
+pub use sending::Sending;
 use signal::Signal;
 
 /// The queue entry and bookkeeping of one message, held until it is
