@@ -7,16 +7,16 @@ mod common;
 
 use std::path::Path;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use common::process::{free_addr, http_get, sluice};
 use common::*;
 use serde_json::json;
 use sluice::plugin::{Registry, SandboxLimits};
-use sluice::source::model::{Begin, Commit, Control, Insert, KeyType, Message, Relation, Status, Value};
-use sluice::source::{ChangeSource, ChangeStream, Resume, SourceError};
+use sluice::source::model::{Control, Message};
+use sluice::source::scripted::{begin, commit, insert, relation, status, Scripted};
+use sluice::source::ChangeSource;
 use sluice::streamer::StreamerOptions;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -158,96 +158,6 @@ async fn resumes_after_the_last_durable_watermark(backend: Backend) {
 // (The rules that need no real store, such as a data change before its
 // begin, a commit unlike its begin and replayed transactions, are tested
 // beside the loop, in `host/src/streamer/rules.rs`.)
-
-/// Replays one script per open (the last one again for later opens), and
-/// records what the loop asked of it.
-/// Replica version and the messages (or errors) of one open.
-type Script = (String, Vec<Result<Message, String>>);
-
-#[derive(Clone, Default)]
-struct Scripted {
-    scripts: Arc<Vec<Script>>,
-    opens: Arc<Mutex<Vec<Option<String>>>>,
-    acks: Arc<Mutex<Vec<String>>>,
-}
-
-impl Scripted {
-    fn new(scripts: Vec<(&str, Vec<Result<Message, String>>)>) -> Self {
-        Scripted {
-            scripts: Arc::new(scripts.into_iter().map(|(rv, s)| (rv.to_string(), s)).collect()),
-            ..Default::default()
-        }
-    }
-    fn opens(&self) -> Vec<Option<String>> {
-        self.opens.lock().unwrap().clone()
-    }
-    fn acks(&self) -> Vec<String> {
-        self.acks.lock().unwrap().clone()
-    }
-}
-
-struct ScriptedStream {
-    rv: String,
-    items: std::vec::IntoIter<Result<Message, String>>,
-    acks: Arc<Mutex<Vec<String>>>,
-}
-
-#[async_trait]
-impl ChangeSource for Scripted {
-    fn name(&self) -> &str {
-        "scripted"
-    }
-    async fn open(&mut self, resume: Option<Resume<'_>>) -> Result<Box<dyn ChangeStream>, SourceError> {
-        let mut opens = self.opens.lock().unwrap();
-        opens.push(resume.map(|r| r.watermark.to_string()));
-        let (rv, script) = &self.scripts[(opens.len() - 1).min(self.scripts.len() - 1)];
-        Ok(Box::new(ScriptedStream { rv: rv.clone(), items: script.clone().into_iter(), acks: self.acks.clone() }))
-    }
-}
-
-#[async_trait]
-impl ChangeStream for ScriptedStream {
-    fn replica_version(&self) -> &str {
-        &self.rv
-    }
-    async fn next_batch(&mut self, _max: u32) -> Result<Vec<Message>, SourceError> {
-        match self.items.next() {
-            Some(Ok(m)) => Ok(vec![m]),
-            Some(Err(e)) => Err(SourceError::Transient(e)),
-            None => {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                Ok(vec![])
-            }
-        }
-    }
-    async fn ack(&mut self, watermark: &str) -> Result<(), SourceError> {
-        self.acks.lock().unwrap().push(watermark.to_string());
-        Ok(())
-    }
-}
-
-fn relation() -> Result<Message, String> {
-    Ok(Message::Relation(Relation {
-        id: 0,
-        schema: "public".into(),
-        name: "foo".into(),
-        columns: vec!["id".into()],
-        key_columns: vec!["id".into()],
-        key_type: KeyType::Default,
-    }))
-}
-fn begin(w: &str) -> Result<Message, String> {
-    Ok(Message::Begin(Begin { commit_watermark: w.into(), extra: None }))
-}
-fn insert(id: i64) -> Result<Message, String> {
-    Ok(Message::Insert(Insert { relation: 0, new: vec![Value::Int(id)] }))
-}
-fn commit(w: &str) -> Result<Message, String> {
-    Ok(Message::Commit(Commit { watermark: w.into(), extra: Some(r#"{"extra":"fields"}"#.into()) }))
-}
-fn status(w: &str, ack: bool) -> Result<Message, String> {
-    Ok(Message::Status(Status { watermark: w.into(), ack }))
-}
 
 async fn acks_commits_once_durable_and_echoes_statuses_after_them(backend: Backend) {
     let dir = tmp();

@@ -214,4 +214,20 @@ mod tests {
         let e = parse::<Cli>(["sluice", "run", "--config", "/nonexistent/sluice.toml"]).err().unwrap().to_string();
         assert!(e.contains("cannot read it"), "{e}");
     }
+
+    #[test]
+    fn the_packaged_settings_file_parses() {
+        let packaged = include_str!("../../../packaging/sluice.toml");
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("source.json");
+        std::fs::write(&source, r#"{"url": "postgres://sluice@db/app"}"#).unwrap();
+        let text = packaged.replace("@/etc/sluice/source.json", &format!("@{}", source.display()));
+        let (_file_dir, path) = file(&text);
+        let settings = run_settings(parse(["sluice", "run", "--config", &path]).unwrap());
+        assert_eq!(settings.source, "postgres");
+        assert_eq!(settings.source_config, r#"{"url": "postgres://sluice@db/app"}"#);
+        assert_eq!(settings.listen, "0.0.0.0:4849");
+        assert_eq!(settings.retain_secs, Some(3600));
+        assert_eq!(settings.log_store().describe(), "SQLite /var/lib/sluice/changelog.db");
+    }
 }

@@ -8,6 +8,7 @@ use async_trait::async_trait;
 
 pub mod assemble;
 pub mod postgres;
+pub mod scripted;
 
 /// The change model from the WIT contract.
 pub use sluice_contract::model;

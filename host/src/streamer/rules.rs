@@ -3,96 +3,16 @@
 //! and what the loop stores, stops for or skips. (`tests/core.rs` keeps the
 //! cases that need a real store or a real plugin.)
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use tokio::sync::watch;
 
 use super::{Streamer, StreamerOptions};
 use crate::hub::Hub;
-use crate::source::model::{Begin, Commit, Insert, KeyType, Message, Relation, Value};
-use crate::source::{ChangeSource, ChangeStream, Resume, SourceError};
+use crate::source::scripted::{begin, commit, insert, relation, Scripted};
 use crate::status::Status;
 use crate::storage::memory::{MemoryChangeLog, MemoryProbe};
-
-/// The messages (or a failure) of one open, under one replica version.
-type Script = (&'static str, Vec<Result<Message, &'static str>>);
-
-/// Plays one script per open (the last one again for later opens) and
-/// records where each open resumed.
-#[derive(Clone)]
-struct Scripted {
-    scripts: Arc<Vec<Script>>,
-    opens: Arc<Mutex<Vec<Option<String>>>>,
-}
-
-impl Scripted {
-    fn new(scripts: Vec<Script>) -> Scripted {
-        Scripted { scripts: Arc::new(scripts), opens: Arc::default() }
-    }
-}
-
-struct ScriptedStream {
-    replica_version: String,
-    items: std::vec::IntoIter<Result<Message, &'static str>>,
-}
-
-#[async_trait]
-impl ChangeSource for Scripted {
-    fn name(&self) -> &str {
-        "scripted"
-    }
-
-    async fn open(&mut self, resume: Option<Resume<'_>>) -> Result<Box<dyn ChangeStream>, SourceError> {
-        let mut opens = self.opens.lock().unwrap();
-        opens.push(resume.map(|r| r.watermark.to_string()));
-        let (rv, script) = &self.scripts[(opens.len() - 1).min(self.scripts.len() - 1)];
-        Ok(Box::new(ScriptedStream { replica_version: rv.to_string(), items: script.clone().into_iter() }))
-    }
-}
-
-#[async_trait]
-impl ChangeStream for ScriptedStream {
-    fn replica_version(&self) -> &str {
-        &self.replica_version
-    }
-
-    async fn next_batch(&mut self, _max: u32) -> Result<Vec<Message>, SourceError> {
-        match self.items.next() {
-            Some(Ok(m)) => Ok(vec![m]),
-            Some(Err(e)) => Err(SourceError::Transient(e.to_string())),
-            None => {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                Ok(vec![])
-            }
-        }
-    }
-
-    async fn ack(&mut self, _watermark: &str) -> Result<(), SourceError> {
-        Ok(())
-    }
-}
-
-fn relation() -> Result<Message, &'static str> {
-    Ok(Message::Relation(Relation {
-        id: 0,
-        schema: "public".into(),
-        name: "foo".into(),
-        columns: vec!["id".into()],
-        key_columns: vec!["id".into()],
-        key_type: KeyType::Default,
-    }))
-}
-fn begin(w: &str) -> Result<Message, &'static str> {
-    Ok(Message::Begin(Begin { commit_watermark: w.into(), extra: None }))
-}
-fn insert(id: i64) -> Result<Message, &'static str> {
-    Ok(Message::Insert(Insert { relation: 0, new: vec![Value::Int(id)] }))
-}
-fn commit(w: &str) -> Result<Message, &'static str> {
-    Ok(Message::Commit(Commit { watermark: w.into(), extra: None }))
-}
 
 /// A loop over `source` and an empty in-memory log.
 struct Running {
@@ -159,14 +79,13 @@ async fn a_commit_watermark_unlike_its_begins_stops_the_loop() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactions_a_resumed_upstream_replays_are_skipped_not_stored_twice() {
     let source = Scripted::new(vec![
-        ("01", vec![relation(), begin("05"), insert(1), commit("05"), Err("the stream drops")]),
+        ("01", vec![relation(), begin("05"), insert(1), commit("05"), Err("the stream drops".into())]),
         // A sloppy upstream replays 05 after resuming from it.
         ("01", vec![relation(), begin("05"), insert(1), commit("05"), begin("07"), insert(2), commit("07")]),
     ]);
-    let opens = source.opens.clone();
-    let log = run(source).stop_at("07").await;
+    let log = run(source.clone()).stop_at("07").await;
     assert_eq!(committed(&log), ["05", "07"]);
-    assert_eq!(opens.lock().unwrap()[..2], [None, Some("05".to_string())], "the second open resumed at 05");
+    assert_eq!(source.opens()[..2], [None, Some("05".to_string())], "the second open resumed at 05");
     let inserts = log.rows().into_iter().filter(|(_, _, tag)| tag == "insert").count();
     assert_eq!(inserts, 2, "one insert per transaction, none replayed");
 }
