@@ -10,7 +10,7 @@ GUESTS := $(addprefix --exclude ,$(PLUGINS) $(TEST_PLUGINS))
 PLUGIN_DIR := target/plugins
 TEST_PLUGIN_DIR := target/test-plugins
 
-.PHONY: all build plugins test-plugins interop-deps demo test chaos bench fmt lint clean
+.PHONY: all build plugins test-plugins interop-deps demo test chaos bench fmt lint clean test-alerts
 
 all: build plugins
 
@@ -53,10 +53,16 @@ interop-deps:
 # server for the Postgres tests and a private MariaDB server for the
 # mariadb-source tests (set SLUICE_TEST_PG_URL or SLUICE_TEST_MARIADB to use
 # your own servers instead). The plugins' own unit tests run natively.
-test: test-plugins interop-deps
+test: test-plugins interop-deps test-alerts
 	$(CARGO) build --tests
 	$(CARGO) test -p mariadb-source --lib
 	tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh $(CARGO) test --workspace $(GUESTS) -- --test-threads=2
+
+# Prometheus's own checks of the packaged alert rules (promtool from Debian's
+# prometheus package, unpacked into target/tools by the script).
+test-alerts:
+	tests/prometheus/promtool.sh check rules packaging/prometheus/sluice-alerts.yml
+	tests/prometheus/promtool.sh test rules packaging/prometheus/sluice-alerts.test.yml
 
 # The crash-safety suite for longer: each chaos variant kills and restarts
 # Sluice for SLUICE_CHAOS_SECONDS (default 120), then the fuzzers run for

@@ -632,6 +632,16 @@ async fn metrics_parse_as_prometheus_text() {
     };
     let first = scrape();
     assert!(value(&first, "sluice_transactions_stored_total", None) > 0.0);
+    let build = first.samples.iter().find(|s| s.metric == "sluice_build_info").expect("sluice_build_info");
+    assert_eq!(build.labels.get("version"), Some(env!("CARGO_PKG_VERSION")));
+    assert!(build.labels.get("revision").is_some_and(|r| !r.is_empty()) && build.labels.get("wit").is_some());
+    // The process's own figures, as every Prometheus client library names them.
+    assert!(value(&first, "process_resident_memory_bytes", None) > 1e6);
+    assert!(value(&first, "process_open_fds", None) >= 3.0);
+    assert!(value(&first, "process_cpu_seconds_total", None) > 0.0);
+    let started = value(&first, "process_start_time_seconds", None);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    assert!(started <= now && started > now - 600.0, "started {started}, now {now}");
     assert_eq!(value(&first, "sluice_subscribers", None), 1.0);
     assert_eq!(value(&first, "sluice_stream_connections", None), 1.0);
     assert_eq!(value(&first, "sluice_source_state", Some(("state", "running"))), 1.0);
@@ -676,4 +686,158 @@ async fn metrics_parse_as_prometheus_text() {
         std::thread::sleep(Duration::from_millis(20));
     }
     reading.abort();
+}
+
+/// `sluice tail` against a secured Sluice: TLS checked with `--ca`, the
+/// token from `--token` or `SLUICE_TOKEN`, and `--from-head`, which starts
+/// after the newest stored transaction. Without the token it is refused
+/// with a line saying how to pass one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_reads_a_secured_sluice_with_its_token_over_tls() {
+    let pki = common::pki::Pki::new();
+    let extra: Vec<String> = ["--tls-cert", "server.crt", "--tls-key", "server.key"]
+        .iter()
+        .map(|a| if a.starts_with("--") { a.to_string() } else { pki.path(a).display().to_string() })
+        .collect();
+    let host = Host::start_with(tempfile::tempdir().unwrap(), &extra);
+    let url = format!("wss://{}", host.addr);
+    let ca = pki.path("ca.crt");
+    let tail = |args: &[&str]| {
+        sluice().arg("tail").arg(&url).arg("--ca").arg(&ca).args(args).env_remove("SLUICE_TOKEN").output().unwrap()
+    };
+
+    let refused = tail(&["--max-tx", "1"]);
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("401") && err.contains("--token"), "{err}");
+
+    // The head now, read as tail reads it (the library's client).
+    let endpoint = sluice::admin::http::Endpoint {
+        url: format!("https://{}", host.addr),
+        token: Some(TOKEN.into()),
+        ca: Some(ca.clone()),
+    };
+    let status: serde_json::Value =
+        serde_json::from_str(&endpoint.request("GET", "/status").await.unwrap().body).unwrap();
+    let head = status["lastWatermark"].as_str().expect("a head").to_string();
+
+    let out = tail(&["--from-head", "--max-tx", "10", "--token", TOKEN]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let commits: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("commit ")).collect();
+    assert_eq!(commits.len(), 10, "{text}");
+    assert!(commits.windows(2).all(|w| w[0] < w[1]), "in order: {commits:?}");
+    assert!(commits[0] > head.as_str(), "from the head ({head}) on: {commits:?}");
+
+    let with_env = sluice()
+        .arg("tail")
+        .arg(&url)
+        .arg("--ca")
+        .arg(&ca)
+        .args(["--max-tx", "1"])
+        .env("SLUICE_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    assert!(with_env.status.success(), "{}", String::from_utf8_lossy(&with_env.stderr));
+}
+
+/// A real Prometheus (Debian's package, unpacked by
+/// tests/prometheus/promtool.sh) scrapes a running Sluice with its token and
+/// evaluates the packaged alert rules: every rule evaluates without error,
+/// and every series the rules watch on a running host is scraped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_sluice_and_evaluates_the_packaged_alert_rules() {
+    let host = Host::start();
+    let dir = tempfile::tempdir().unwrap();
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let rules = repo.join("packaging/prometheus/sluice-alerts.yml");
+    let web = free_addr();
+    let config = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files: ['{}']\nscrape_configs:\n  \
+             - job_name: sluice\n    authorization:\n      credentials: {TOKEN}\n    static_configs:\n      \
+             - targets: ['{}']\n",
+            rules.display(),
+            host.addr
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("prometheus.log");
+    /// Stopped however the test ends.
+    struct Stopped(Child);
+    impl Drop for Stopped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _prometheus = Stopped(
+        std::process::Command::new(repo.join("tests/prometheus/promtool.sh"))
+            .env("PROMETHEUS_BIN", "prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+            .arg(format!("--web.listen-address={web}"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let api = |path: &str| -> Option<serde_json::Value> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&web).ok()?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: {web}\r\n\r\n").ok()?;
+        let mut text = String::new();
+        s.read_to_string(&mut text).ok()?;
+        serde_json::from_str(text.split_once("\r\n\r\n")?.1).ok()
+    };
+    let query = |expr: &str| -> Vec<serde_json::Value> {
+        let q: String = url::form_urlencoded::byte_serialize(expr.as_bytes()).collect();
+        api(&format!("/api/v1/query?query={q}"))
+            .and_then(|v| v["data"]["result"].as_array().cloned())
+            .unwrap_or_default()
+    };
+    let deadline = Instant::now() + WAIT;
+    let evaluated = loop {
+        let up = query("up{job=\"sluice\"}");
+        let rules = api("/api/v1/rules").and_then(|v| v["data"]["groups"][0]["rules"].as_array().cloned());
+        if let (Some(up), Some(rules)) = (up.first(), rules) {
+            if up["value"][1] == "1"
+                && !rules.is_empty()
+                && rules.iter().all(|r| r["lastEvaluation"] != "0001-01-01T00:00:00Z")
+            {
+                break rules;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Prometheus did not scrape Sluice:\n{}",
+            std::fs::read_to_string(&log).unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    // What the rules watch (the Postgres source's retained WAL aside: this
+    // host runs the mock source) is scraped, at a healthy value.
+    for (series, healthy) in [
+        ("sluice_ready", Some("1")),
+        ("sluice_reset_required", Some("0")),
+        ("sluice_stalled_seconds{path=\"change_log\"}", Some("0")),
+        ("sluice_stalled_seconds{path=\"source\"}", Some("0")),
+        ("sluice_subscriber_lagging_max_seconds", Some("0")),
+        ("sluice_subscriber_memory_bytes", None),
+        ("sluice_subscriber_memory_budget_bytes", None),
+        ("sluice_source_lag_seconds_bucket", None),
+        ("sluice_build_info", Some("1")),
+    ] {
+        let found = query(series);
+        assert!(!found.is_empty(), "no {series} in Prometheus");
+        if let Some(value) = healthy {
+            assert_eq!(found[0]["value"][1], value, "{series}: {found:?}");
+        }
+    }
+    assert_eq!(evaluated.len(), 9, "every packaged rule is loaded");
+    for rule in &evaluated {
+        assert_eq!(rule["health"], "ok", "{}: {}", rule["name"], rule["lastError"]);
+    }
 }

@@ -52,11 +52,21 @@ pub enum Command {
     Run(Box<Settings>),
     /// Subscribe to a Sluice (or Zero change-streamer) and print the stream.
     Tail {
-        /// `ws://HOST:PORT` of the server.
+        /// `ws://HOST:PORT` of the server, or `wss://HOST:PORT` when it
+        /// serves TLS.
         url: String,
-        /// Start after this watermark (default: the earliest the server has).
+        #[command(flatten)]
+        token: TokenArgs,
+        /// The CA certificate (PEM) of a `wss` endpoint (default: the system's roots).
         #[arg(long)]
+        ca: Option<PathBuf>,
+        /// Start after this watermark (default: the earliest the server has).
+        #[arg(long, conflicts_with = "from_head")]
         watermark: Option<String>,
+        /// Start at the newest transaction the server has: print only what
+        /// comes from now on.
+        #[arg(long)]
+        from_head: bool,
         /// The replica version (default: the server's).
         #[arg(long)]
         replica_version: Option<String>,
@@ -199,8 +209,11 @@ pub async fn execute(command: Command) -> anyhow::Result<()> {
             let dir = plugins.unwrap_or_else(crate::settings::default_plugin_dir);
             admin::plugins::list(&dir, cache_dir.unwrap_or_else(|| PathBuf::from("sluice-data/.cache"))).await
         }
-        Command::Tail { url, watermark, replica_version, max_tx, json, filters } => {
-            crate::tail::run(crate::tail::TailOptions { url, watermark, replica_version, max_tx, json, filters }).await
+        Command::Tail { url, token, ca, watermark, from_head, replica_version, max_tx, json, filters } => {
+            let endpoint = admin::http::Endpoint { url, token: token.read()?, ca };
+            let options =
+                crate::tail::TailOptions { endpoint, from_head, watermark, replica_version, max_tx, json, filters };
+            crate::tail::run(options).await
         }
     }
 }

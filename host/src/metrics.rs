@@ -25,6 +25,8 @@ struct StatusCollector {
     status: Arc<Status>,
     access: Arc<Access>,
     hub: Arc<Hub>,
+    /// `--ready-backoff-secs`, for `sluice_ready` (as `/readyz` decides).
+    ready_backoff: std::time::Duration,
 }
 
 /// Per-subscriber series beyond this many (those with the most bytes
@@ -39,8 +41,11 @@ impl std::fmt::Debug for StatusCollector {
 }
 
 impl Metrics {
-    pub fn new(status: Arc<Status>, access: Arc<Access>, hub: Arc<Hub>) -> Metrics {
-        let mut registry = Registry::with_prefix("sluice");
+    pub fn new(status: Arc<Status>, access: Arc<Access>, hub: Arc<Hub>, ready_backoff: std::time::Duration) -> Metrics {
+        // `process_*` as every client library names them; the rest `sluice_*`.
+        let mut root = Registry::default();
+        root.register_collector(Box::new(process::Collector));
+        let registry = root.sub_registry_with_prefix("sluice");
         registry.register_with_unit(
             "storage_commit",
             "Duration of each change log commit (a group of transactions made durable)",
@@ -53,8 +58,8 @@ impl Metrics {
             Unit::Seconds,
             status.source_lag_seconds().clone(),
         );
-        registry.register_collector(Box::new(StatusCollector { status, access, hub }));
-        Metrics { registry }
+        registry.register_collector(Box::new(StatusCollector { status, access, hub, ready_backoff }));
+        Metrics { registry: root }
     }
 
     /// The text exposition.
@@ -67,6 +72,14 @@ impl Metrics {
 
 impl prometheus_client::collector::Collector for StatusCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        build_info(&mut encoder)?;
+        gauge_value(
+            &mut encoder,
+            "ready",
+            "1 when this host should get traffic (GET /readyz answers 200)",
+            None,
+            if self.status.readiness(self.ready_backoff).is_ok() { 1.0 } else { 0.0 },
+        )?;
         let s = self.status.snapshot();
         counter_value(
             &mut encoder,
@@ -325,16 +338,15 @@ impl prometheus_client::collector::Collector for StatusCollector {
             max_lag as f64 / 1e3,
         )?;
         let distance = |v: &crate::subscriber::SubscriberView| crate::watermark::distance(&v.acked, head);
-        let max_distance = views.iter().filter_map(distance).max();
-        if let Some(max) = max_distance {
-            gauge_value(
-                &mut encoder,
-                "subscriber_watermark_distance_max",
-                "How far the subscriber furthest behind is from the newest stored commit, in watermark units (WAL bytes for the Postgres source)",
-                None,
-                max as f64,
-            )?;
-        }
+        // Present at 0 with no subscriber, so an alert on it has a series.
+        let max_distance = views.iter().filter_map(distance).max().unwrap_or(0);
+        gauge_value(
+            &mut encoder,
+            "subscriber_watermark_distance_max",
+            "How far the subscriber furthest behind is from the newest stored commit, in watermark units (WAL bytes for the Postgres source; 0 with no subscriber)",
+            None,
+            max_distance as f64,
+        )?;
         views.sort_by_key(|v| std::cmp::Reverse(v.pending_bytes));
         views.truncate(MAX_SUBSCRIBER_SERIES);
         let mut family = encoder.encode_descriptor(
@@ -429,4 +441,79 @@ fn counter_value(
 ) -> Result<(), std::fmt::Error> {
     let metric = ConstCounter::new(value);
     metric.encode(encoder.encode_descriptor(name, help, unit, metric.metric_type())?)
+}
+
+/// `sluice_build_info{version, revision, wit}`: always 1, for joining a
+/// version onto other series and for alerting on a fleet's mixed versions.
+fn build_info(encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    let (major, minor) = crate::plugin::WIT_VERSION;
+    let wit = format!("{major}.{minor}");
+    let labels = [("version", env!("CARGO_PKG_VERSION")), ("revision", env!("SLUICE_GIT_REV")), ("wit", wit.as_str())];
+    let mut family = encoder.encode_descriptor(
+        "build_info",
+        "Sluice's version, git revision and plugin contract (always 1)",
+        None,
+        MetricType::Gauge,
+    )?;
+    ConstGauge::new(1i64).encode(family.encode_family(&labels)?)
+}
+
+/// The process's own figures, as Prometheus's client libraries name them
+/// (`process_*`, without the `sluice_` prefix): read from `/proc/self` on
+/// Linux at scrape time; absent elsewhere.
+mod process {
+    use prometheus_client::encoding::DescriptorEncoder;
+
+    use super::{counter_value, gauge_value};
+
+    #[derive(Debug)]
+    pub struct Collector;
+
+    impl prometheus_client::collector::Collector for Collector {
+        fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+            let Some(f) = read() else { return Ok(()) };
+            let e = &mut encoder;
+            counter_value(e, "process_cpu_seconds", "User and system CPU time", None, f.cpu_seconds)?;
+            gauge_value(e, "process_resident_memory_bytes", "Resident memory", None, f.rss_bytes)?;
+            gauge_value(e, "process_open_fds", "Open file descriptors (sockets included)", None, f.open_fds)?;
+            gauge_value(e, "process_start_time_seconds", "Start time since the Unix epoch", None, f.start_time)
+        }
+    }
+
+    struct Figures {
+        cpu_seconds: f64,
+        rss_bytes: f64,
+        open_fds: f64,
+        start_time: f64,
+    }
+
+    #[cfg(target_os = "linux")]
+    fn read() -> Option<Figures> {
+        // SAFETY: sysconf has no preconditions.
+        let (ticks, page) = unsafe { (libc::sysconf(libc::_SC_CLK_TCK), libc::sysconf(libc::_SC_PAGESIZE)) };
+        if ticks <= 0 || page <= 0 {
+            return None;
+        }
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // The fields after the command name, which is in parentheses and may hold spaces.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<f64>().ok());
+        let (utime, stime, start_ticks, rss_pages) = (field(14)?, field(15)?, field(22)?, field(24)?);
+        let boot = std::fs::read_to_string("/proc/stat")
+            .ok()?
+            .lines()
+            .find_map(|l| l.strip_prefix("btime ").and_then(|b| b.trim().parse::<f64>().ok()))?;
+        let open_fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count() as f64).unwrap_or(0.0);
+        Some(Figures {
+            cpu_seconds: (utime + stime) / ticks as f64,
+            rss_bytes: rss_pages * page as f64,
+            open_fds,
+            start_time: boot + start_ticks / ticks as f64,
+        })
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn read() -> Option<Figures> {
+        None
+    }
 }

@@ -1,17 +1,23 @@
 //! `sluice tail`: a small subscriber for people. Prints each message, acks
-//! as it goes.
+//! as it goes. It reaches the endpoint as the admin commands do
+//! (`admin::http::Endpoint`: the token, TLS with `--ca`).
 
 use std::io::Write;
 
 use anyhow::Context;
 use futures::{SinkExt, StreamExt};
 use serde_json::value::RawValue;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
+use crate::admin::http::Endpoint;
+
 pub struct TailOptions {
-    /// `ws://HOST:PORT` (or `http://`).
-    pub url: String,
+    /// `ws://` or `wss://HOST:PORT` (or `http://`, `https://`), the token
+    /// and the CA.
+    pub endpoint: Endpoint,
+    /// Start at the newest transaction the server has, not the oldest.
+    pub from_head: bool,
     pub watermark: Option<String>,
     pub replica_version: Option<String>,
     /// Exit after this many commits.
@@ -22,7 +28,8 @@ pub struct TailOptions {
     pub filters: Vec<String>,
 }
 
-/// The `filters` query parameter for `--filter` arguments.
+/// The `filters` query parameter's value for `--filter` arguments (JSON;
+/// the URL encodes it).
 pub fn filters_param(filters: &[String]) -> anyhow::Result<Option<String>> {
     if filters.is_empty() {
         return Ok(None);
@@ -39,38 +46,21 @@ pub fn filters_param(filters: &[String]) -> anyhow::Result<Option<String>> {
         };
         specs.push(serde_json::json!({ "plugin": plugin, "config": config }));
     }
-    Ok(Some(percent_encode(&serde_json::Value::Array(specs).to_string())))
-}
-
-/// Query-string encoding: unreserved characters as they are, the rest as %XX.
-fn percent_encode(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() * 3);
-    for b in text.bytes() {
-        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-fn host_port(url: &str) -> anyhow::Result<String> {
-    let rest = url
-        .strip_prefix("ws://")
-        .or_else(|| url.strip_prefix("http://"))
-        .with_context(|| format!("{url}: expected ws://HOST:PORT"))?;
-    Ok(rest.trim_end_matches('/').to_string())
+    Ok(Some(serde_json::Value::Array(specs).to_string()))
 }
 
 /// `GET /status` from the server, for defaults.
-async fn status(addr: &str) -> anyhow::Result<serde_json::Value> {
-    let mut s = tokio::net::TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
-    s.write_all(format!("GET /status HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).await?;
-    let (_, json) = body.split_once("\r\n\r\n").context("malformed /status response")?;
-    serde_json::from_str(json).context("parsing /status")
+async fn status(endpoint: &Endpoint) -> anyhow::Result<serde_json::Value> {
+    let answer = endpoint.request("GET", "/status").await?;
+    anyhow::ensure!(
+        answer.status == 200,
+        "{}/status answered {}: {}{}",
+        endpoint.url.trim_end_matches('/'),
+        answer.status,
+        answer.body.trim(),
+        if answer.status == 401 { " (pass --token or set SLUICE_TOKEN)" } else { "" }
+    );
+    serde_json::from_str(&answer.body).context("parsing /status")
 }
 
 /// One readable line for a downstream message.
@@ -97,29 +87,48 @@ pub fn describe(msg: &serde_json::Value) -> String {
     }
 }
 
+/// The subscription's URL: `/replication/v6/changes` on the endpoint, with
+/// Zero's query parameters.
+fn stream_url(endpoint: &Endpoint, rv: &str, wm: &str, filters: Option<String>) -> anyhow::Result<url::Url> {
+    let (tls, _, authority) = endpoint.parts()?;
+    let base = format!("{}://{authority}/replication/v6/changes", if tls { "wss" } else { "ws" });
+    let mut url = url::Url::parse(&base).with_context(|| format!("{base} is not a URL"))?;
+    url.query_pairs_mut()
+        .append_pair("id", &format!("tail-{}", std::process::id()))
+        .append_pair("taskID", "tail")
+        .append_pair("mode", "serving")
+        .append_pair("replicaVersion", rv)
+        .append_pair("watermark", wm)
+        .append_pair("initial", "false");
+    if let Some(f) = filters {
+        url.query_pairs_mut().append_pair("filters", &f);
+    }
+    Ok(url)
+}
+
 pub async fn run(opts: TailOptions) -> anyhow::Result<()> {
-    let addr = host_port(&opts.url)?;
+    let endpoint = &opts.endpoint;
     let (rv, wm) = match (opts.replica_version.clone(), opts.watermark.clone()) {
         (Some(rv), Some(wm)) => (rv, wm),
         (rv, wm) => {
-            let s = status(&addr).await?;
+            let s = status(endpoint).await?;
             let rv = rv.or_else(|| s["replicaVersion"].as_str().map(str::to_string));
             let rv = rv.context("the server has no replica version yet; pass --replica-version")?;
-            let wm = wm.or_else(|| s["minWatermark"].as_str().map(str::to_string)).unwrap_or_else(|| rv.clone());
+            // The oldest kept, or with --from-head the newest: what follows it.
+            let start = if opts.from_head { "lastWatermark" } else { "minWatermark" };
+            let wm = wm.or_else(|| s[start].as_str().map(str::to_string)).unwrap_or_else(|| rv.clone());
             (rv, wm)
         }
     };
-    let mut url = format!(
-        "ws://{addr}/replication/v6/changes?id=tail-{}&taskID=tail&mode=serving&replicaVersion={rv}&watermark={wm}&initial=false",
-        std::process::id()
-    );
-    if let Some(f) = filters_param(&opts.filters)? {
-        url.push_str("&filters=");
-        url.push_str(&f);
+    let url = stream_url(endpoint, &rv, &wm, filters_param(&opts.filters)?)?;
+    let mut request = url.as_str().into_client_request().context("the subscription request")?;
+    if let Some(value) = endpoint.authorization() {
+        request.headers_mut().insert("authorization", value.parse().context("the token is not a valid header value")?);
     }
-    let (mut ws, _) = tokio_tungstenite::connect_async_with_config(&url, None, true)
+    let stream = endpoint.connect().await?;
+    let (mut ws, _) = tokio_tungstenite::client_async_with_config(request, stream, None)
         .await
-        .with_context(|| format!("connecting to {url}"))?;
+        .with_context(|| format!("subscribing at {url}"))?;
     #[derive(serde::Deserialize)]
     struct Frame<'a> {
         id: u64,

@@ -1,5 +1,6 @@
-//! One HTTP request to a running Sluice's endpoint, over TCP or TLS, with
-//! its token: enough for the admin commands, with no HTTP client crate.
+//! Reaching a running Sluice's endpoint as a client, over TCP or TLS, with
+//! its token: one HTTP request for the admin commands (no HTTP client
+//! crate), and the connection `sluice tail` opens its WebSocket on.
 
 use std::path::Path;
 
@@ -11,7 +12,8 @@ use crate::pgconn::tls::{SslMode, TlsSettings};
 /// Where a running Sluice is and how to get in.
 #[derive(Debug, Clone)]
 pub struct Endpoint {
-    /// `http://HOST:PORT` or `https://HOST:PORT`.
+    /// `http://HOST:PORT` or `https://HOST:PORT` (`ws://` and `wss://` are
+    /// taken as the same).
     pub url: String,
     pub token: Option<String>,
     /// The CA that signed an `https` endpoint's certificate (default: the
@@ -26,38 +28,63 @@ pub struct Answer {
     pub body: String,
 }
 
+/// A byte stream to the endpoint, plain or TLS.
+pub trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
 impl Endpoint {
-    /// `METHOD path`, returning the answer whatever its status.
-    pub async fn request(&self, method: &str, path: &str) -> anyhow::Result<Answer> {
-        let (tls, rest) = match (self.url.strip_prefix("http://"), self.url.strip_prefix("https://")) {
-            (Some(rest), _) => (false, rest),
-            (_, Some(rest)) => (true, rest),
-            _ => anyhow::bail!("{}: expected http://HOST:PORT or https://HOST:PORT", self.url),
+    /// The endpoint's URL, parsed: `(tls, host, authority)`.
+    pub fn parts(&self) -> anyhow::Result<(bool, String, String)> {
+        let url = url::Url::parse(&self.url)
+            .with_context(|| format!("{}: expected http://HOST:PORT or https://HOST:PORT", self.url))?;
+        let tls = match url.scheme() {
+            "http" | "ws" => false,
+            "https" | "wss" => true,
+            other => anyhow::bail!("{}: scheme {other}: is not http, https, ws or wss", self.url),
         };
-        let authority = rest.trim_end_matches('/');
-        let host = authority.rsplit_once(':').map(|(h, _)| h).unwrap_or(authority).trim_matches(['[', ']']);
-        let mut request = format!("{method} {path} HTTP/1.0\r\nHost: {authority}\r\nContent-Length: 0\r\n");
-        if let Some(token) = &self.token {
-            request.push_str(&format!("Authorization: Bearer {token}\r\n"));
-        }
-        request.push_str("\r\n");
-        let tcp = tokio::net::TcpStream::connect(authority)
+        let host = url.host_str().with_context(|| format!("{}: no host", self.url))?.to_string();
+        let port = url.port_or_known_default().unwrap_or(if tls { 443 } else { 80 });
+        let authority = format!("{host}:{port}");
+        Ok((tls, host.trim_matches(['[', ']']).to_string(), authority))
+    }
+
+    /// The `Authorization` header's value, when there is a token.
+    pub fn authorization(&self) -> Option<String> {
+        self.token.as_ref().map(|t| format!("Bearer {t}"))
+    }
+
+    /// A connection to the endpoint: TCP, with TLS for `https`/`wss`
+    /// (checked against `ca` or the system's roots, and the host's name).
+    pub async fn connect(&self) -> anyhow::Result<Box<dyn Io>> {
+        let (tls, host, authority) = self.parts()?;
+        let tcp = tokio::net::TcpStream::connect(&authority)
             .await
             .with_context(|| format!("connecting to {authority} (is Sluice running there?)"))?;
-        let raw = if tls {
-            let root = self.ca.as_deref().map(Path::display).map(|p| p.to_string()).unwrap_or("system".into());
-            let settings = TlsSettings::new(Some(SslMode::VerifyFull), Some(root), None, None)
-                .map_err(|e| anyhow::anyhow!("TLS: {e}"))?;
-            let name = rustls::pki_types::ServerName::try_from(host.to_string())
-                .with_context(|| format!("{host} is not a valid TLS server name"))?;
-            let stream = tokio_rustls::TlsConnector::from(settings.client_config())
-                .connect(name, tcp)
-                .await
-                .with_context(|| format!("TLS handshake with {authority}"))?;
-            exchange(stream, &request).await?
-        } else {
-            exchange(tcp, &request).await?
-        };
+        let _ = tcp.set_nodelay(true);
+        if !tls {
+            return Ok(Box::new(tcp));
+        }
+        let root = self.ca.as_deref().map(Path::display).map(|p| p.to_string()).unwrap_or("system".into());
+        let settings = TlsSettings::new(Some(SslMode::VerifyFull), Some(root), None, None)
+            .map_err(|e| anyhow::anyhow!("TLS: {e}"))?;
+        let name = rustls::pki_types::ServerName::try_from(host.clone())
+            .with_context(|| format!("{host} is not a valid TLS server name"))?;
+        let stream = tokio_rustls::TlsConnector::from(settings.client_config())
+            .connect(name, tcp)
+            .await
+            .with_context(|| format!("TLS handshake with {authority}"))?;
+        Ok(Box::new(stream))
+    }
+
+    /// `METHOD path`, returning the answer whatever its status.
+    pub async fn request(&self, method: &str, path: &str) -> anyhow::Result<Answer> {
+        let (_, _, authority) = self.parts()?;
+        let mut request = format!("{method} {path} HTTP/1.0\r\nHost: {authority}\r\nContent-Length: 0\r\n");
+        if let Some(value) = self.authorization() {
+            request.push_str(&format!("Authorization: {value}\r\n"));
+        }
+        request.push_str("\r\n");
+        let raw = exchange(self.connect().await?, &request).await?;
         let (head, body) = raw.split_once("\r\n\r\n").context("malformed HTTP answer")?;
         let status = head
             .split_whitespace()

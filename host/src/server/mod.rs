@@ -64,7 +64,12 @@ pub async fn stopping(mut shutdown: watch::Receiver<bool>) {
 /// The routes. The health checks stay open; everything else needs the
 /// token when one is set.
 pub fn router(state: AppState) -> Router {
-    let metrics = Arc::new(crate::metrics::Metrics::new(state.status.clone(), state.access.clone(), state.hub.clone()));
+    let metrics = Arc::new(crate::metrics::Metrics::new(
+        state.status.clone(),
+        state.access.clone(),
+        state.hub.clone(),
+        state.ready_backoff,
+    ));
     let guarded = Router::new()
         .route("/status", get(status_json))
         .route("/metrics", get(move || metrics_text(metrics.clone())))
