@@ -10,7 +10,7 @@ GUESTS := $(addprefix --exclude ,$(PLUGINS) $(TEST_PLUGINS))
 PLUGIN_DIR := target/plugins
 TEST_PLUGIN_DIR := target/test-plugins
 
-.PHONY: all build plugins test-plugins interop-deps demo test chaos bench fmt lint clean test-alerts
+.PHONY: all build plugins test-plugins interop-deps demo test chaos bench fmt lint clean test-alerts dist
 
 all: build plugins
 
@@ -74,6 +74,21 @@ chaos: test-plugins
 		SLUICE_PARTITION_SECS=$${SLUICE_PARTITION_SECS:-25} \
 		tests/pg/with-postgres.sh tests/mariadb/with-mariadb.sh \
 		sh -c '$(CARGO) test --test chaos -- --nocapture --test-threads=1 && $(CARGO) test --test network -- --nocapture --test-threads=1'
+
+# A release tarball for this machine's target: the stripped binary, the
+# bundled plugins beside it (found with no flags), the WIT contract, README,
+# LICENSE, CHANGELOG and the packaging examples, with SHA-256 sums.
+DIST_TARGET := $(shell rustc -vV | sed -n 's/^host: //p')
+DIST_NAME := sluice-$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)-$(DIST_TARGET)
+dist: plugins
+	$(CARGO) build --profile dist --bin sluice
+	rm -rf target/tarball/$(DIST_NAME)* && mkdir -p target/tarball/$(DIST_NAME)/plugins
+	cp target/dist/sluice target/tarball/$(DIST_NAME)/
+	cp $(PLUGIN_DIR)/*.wasm target/tarball/$(DIST_NAME)/plugins/
+	cp -r wit README.md LICENSE CHANGELOG.md packaging target/tarball/$(DIST_NAME)/
+	tar -C target/tarball -czf target/tarball/$(DIST_NAME).tar.gz $(DIST_NAME)
+	cd target/tarball && sha256sum $(DIST_NAME).tar.gz > $(DIST_NAME).tar.gz.sha256
+	@ls -l target/tarball/$(DIST_NAME).tar.gz && cat target/tarball/$(DIST_NAME).tar.gz.sha256
 
 bench: plugins interop-deps
 	$(CARGO) build --release -p sluice -p sluice-bench

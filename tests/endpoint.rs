@@ -744,7 +744,8 @@ async fn tail_reads_a_secured_sluice_with_its_token_over_tls() {
 /// A real Prometheus (Debian's package, unpacked by
 /// tests/prometheus/promtool.sh) scrapes a running Sluice with its token and
 /// evaluates the packaged alert rules: every rule evaluates without error,
-/// and every series the rules watch on a running host is scraped.
+/// every series the rules watch on a running host is scraped, and every
+/// query of the packaged Grafana dashboard returns series.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_scrapes_sluice_and_evaluates_the_packaged_alert_rules() {
     let host = Host::start();
@@ -834,6 +835,29 @@ async fn prometheus_scrapes_sluice_and_evaluates_the_packaged_alert_rules() {
         assert!(!found.is_empty(), "no {series} in Prometheus");
         if let Some(value) = healthy {
             assert_eq!(found[0]["value"][1], value, "{series}: {found:?}");
+        }
+    }
+    // The dashboard's queries, with every instance selected.
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(repo.join("packaging/grafana/sluice-dashboard.json")).unwrap())
+            .unwrap();
+    let exprs: Vec<String> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap().iter())
+        .map(|t| t["expr"].as_str().unwrap().replace("$instance", ".*"))
+        .collect();
+    assert!(exprs.len() >= 15, "{exprs:?}");
+    for expr in &exprs {
+        // Only a Postgres source has a slot, and the log's size comes with the first purge.
+        if expr.contains("retained_wal") || expr.contains("change_log_size") {
+            continue;
+        }
+        let deadline = Instant::now() + WAIT;
+        while query(expr).is_empty() {
+            assert!(Instant::now() < deadline, "the dashboard's {expr} returns no series");
+            std::thread::sleep(Duration::from_millis(200));
         }
     }
     assert_eq!(evaluated.len(), 9, "every packaged rule is loaded");
