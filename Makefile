@@ -77,7 +77,8 @@ chaos: test-plugins
 
 # A release tarball for this machine's target: the stripped binary, the
 # bundled plugins beside it (found with no flags), the WIT contract, README,
-# LICENSE, CHANGELOG and the packaging examples, with SHA-256 sums.
+# LICENSE, CHANGELOG, the packaging examples, shell completions and the man
+# page, with its SHA-256.
 DIST_TARGET := $(shell rustc -vV | sed -n 's/^host: //p')
 DIST_NAME := sluice-$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)-$(DIST_TARGET)
 dist: plugins
@@ -86,6 +87,9 @@ dist: plugins
 	cp target/dist/sluice target/tarball/$(DIST_NAME)/
 	cp $(PLUGIN_DIR)/*.wasm target/tarball/$(DIST_NAME)/plugins/
 	cp -r wit README.md LICENSE CHANGELOG.md packaging target/tarball/$(DIST_NAME)/
+	mkdir -p target/tarball/$(DIST_NAME)/completions target/tarball/$(DIST_NAME)/man
+	for sh in bash zsh fish; do target/dist/sluice completions $$sh > target/tarball/$(DIST_NAME)/completions/sluice.$$sh; done
+	target/dist/sluice man > target/tarball/$(DIST_NAME)/man/sluice.1
 	tar -C target/tarball -czf target/tarball/$(DIST_NAME).tar.gz $(DIST_NAME)
 	cd target/tarball && sha256sum $(DIST_NAME).tar.gz > $(DIST_NAME).tar.gz.sha256
 	@ls -l target/tarball/$(DIST_NAME).tar.gz && cat target/tarball/$(DIST_NAME).tar.gz.sha256

@@ -412,6 +412,26 @@ fn replace_all(haystack: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
 
 // ---- The binary ----------------------------------------------------------
 
+/// Shell completions and the man page come from the same command
+/// definition: every subcommand is in both.
+#[test]
+fn completions_and_the_man_page_name_every_command() {
+    let out = sluice().args(["completions", "bash"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bash = String::from_utf8_lossy(&out.stdout);
+    let out = sluice().arg("man").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let man = String::from_utf8_lossy(&out.stdout);
+    assert!(man.starts_with(".ie") || man.starts_with(".TH"), "roff: {}", &man[..man.len().min(80)]);
+    for command in ["run", "tail", "log", "postgres", "health", "reload", "plugins"] {
+        assert!(bash.contains(command), "bash completions lack {command}");
+        assert!(man.contains(&format!("sluice\\-{command}(1)")), "the man page lacks {command}");
+    }
+    assert!(bash.contains("--change-db") && bash.contains("--from-head"), "flags complete too");
+    let out = sluice().args(["completions", "nushell"]).output().unwrap();
+    assert!(!out.status.success(), "an unknown shell is refused");
+}
+
 #[test]
 fn bad_source_config_and_unknown_source_exit_with_a_clear_error() {
     let dir = tmp();

@@ -104,6 +104,12 @@ pub enum Command {
     /// Make a running Sluice rescan its plugin directory now (as SIGHUP
     /// does), and print what changed.
     Reload(EndpointArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff), for `man -l -` or a man directory.
+    Man,
     /// List the plugins in a directory and whether they load.
     Plugins {
         /// Default: as for `run`.
@@ -205,6 +211,14 @@ pub async fn execute(command: Command) -> anyhow::Result<()> {
             admin::log::reset(&log.store(), yes, force).await
         }
         Command::Postgres { command } => postgres(command).await,
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut <Cli as clap::CommandFactory>::command(), "sluice", &mut std::io::stdout());
+            Ok(())
+        }
+        Command::Man => {
+            let page = clap_mangen::Man::new(<Cli as clap::CommandFactory>::command());
+            page.render(&mut std::io::stdout()).context("writing the manual page")
+        }
         Command::Plugins { plugins, cache_dir } => {
             let dir = plugins.unwrap_or_else(crate::settings::default_plugin_dir);
             admin::plugins::list(&dir, cache_dir.unwrap_or_else(|| PathBuf::from("sluice-data/.cache"))).await
