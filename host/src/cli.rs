@@ -105,9 +105,7 @@ pub enum Command {
     /// does), and print what changed.
     Reload(EndpointArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
-    Completions {
-        shell: clap_complete::Shell,
-    },
+    Completions { shell: clap_complete::Shell },
     /// Print the manual page (roff), for `man -l -` or a man directory.
     Man,
     /// List the plugins in a directory and whether they load.
@@ -212,7 +210,12 @@ pub async fn execute(command: Command) -> anyhow::Result<()> {
         }
         Command::Postgres { command } => postgres(command).await,
         Command::Completions { shell } => {
-            clap_complete::generate(shell, &mut <Cli as clap::CommandFactory>::command(), "sluice", &mut std::io::stdout());
+            clap_complete::generate(
+                shell,
+                &mut <Cli as clap::CommandFactory>::command(),
+                "sluice",
+                &mut std::io::stdout(),
+            );
             Ok(())
         }
         Command::Man => {
