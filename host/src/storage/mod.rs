@@ -14,7 +14,7 @@ pub mod watched;
 pub mod writer_lock;
 
 /// Why a change-log write failed, and so what the replication loop does
-/// next: stop cleanly ([`LogError::stops`]), or retry from what is durable.
+/// next: stop cleanly (`OwnershipLost`, `Gone`), or retry from what is durable.
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
     /// Another host owns the change log now.
@@ -31,13 +31,6 @@ pub enum LogError {
 
 /// What every [`ChangeLog`] call returns.
 pub type LogResult<T> = Result<T, LogError>;
-
-impl LogError {
-    /// Whether the loop must stop (cleanly) rather than retry.
-    pub fn stops(&self) -> bool {
-        !matches!(self, LogError::Backend(_))
-    }
-}
 
 /// `anyhow::ensure!` for a [`LogResult`]: a failed check is a backend failure.
 macro_rules! ensure_log {
