@@ -82,9 +82,8 @@ impl Tunnels {
                 let tls = handshake(&connector, name, tcp, &upstream).await?;
                 let dialable = self.dialable.clone();
                 tokio::spawn(async move {
-                    if let Some(mut plugin) = accept(listener, &dialable).await {
-                        let mut tls = tls;
-                        let _ = tokio::io::copy_bidirectional(&mut plugin, &mut tls).await;
+                    if let Some(plugin) = accept(listener, &dialable).await {
+                        splice(plugin, tls).await;
                     }
                 });
             }
@@ -109,7 +108,15 @@ impl Tunnels {
         let tunnel = self.upgrades.remove(&id).ok_or_else(|| format!("no tunnel {id} waits for start-tls"))?;
         let (done, answer) = oneshot::channel();
         tunnel.send(Upgrade { sent, done }).await.map_err(|_| format!("tunnel {id} is closed"))?;
-        answer.await.map_err(|_| format!("tunnel {id} closed before its TLS handshake"))?
+        // Reaching `sent` and the handshake (itself bounded) must not hold the
+        // plugin's call forever: a plugin that names bytes it never wrote.
+        match tokio::time::timeout(UPSTREAM_WITHIN * 2, answer).await {
+            Ok(answer) => answer.map_err(|_| format!("tunnel {id} closed before its TLS handshake"))?,
+            Err(_) => Err(format!(
+                "tunnel {id}: TLS did not start within {} s (were {sent} bytes written to the tunnel?)",
+                (UPSTREAM_WITHIN * 2).as_secs()
+            )),
+        }
     }
 }
 
@@ -227,11 +234,24 @@ async fn relay_then_upgrade(
             return;
         }
     };
-    let Ok(mut plugin) = from_plugin.reunite(to_plugin) else { return };
+    let Ok(plugin) = from_plugin.reunite(to_plugin) else { return };
     if !after.is_empty() && tls.write_all(&after).await.is_err() {
         return;
     }
-    let _ = tokio::io::copy_bidirectional(&mut plugin, &mut tls).await;
+    splice(plugin, tls).await;
+}
+
+/// Copies both ways until either side ends, then drops both: the plugin
+/// closing its socket (after its own read timeout, on a silent upstream)
+/// closes the upstream connection too, so no tunnel outlives its plugin
+/// connection waiting on a peer that will never answer.
+async fn splice(plugin: TcpStream, upstream: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin) {
+    let (mut plugin_read, mut plugin_write) = tokio::io::split(plugin);
+    let (mut upstream_read, mut upstream_write) = tokio::io::split(upstream);
+    tokio::select! {
+        _ = tokio::io::copy(&mut plugin_read, &mut upstream_write) => {}
+        _ = tokio::io::copy(&mut upstream_read, &mut plugin_write) => {}
+    }
 }
 
 /// The check `verify-full` makes for PostgreSQL: the chain against
