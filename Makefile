@@ -10,7 +10,7 @@ GUESTS := $(addprefix --exclude ,$(PLUGINS) $(TEST_PLUGINS))
 PLUGIN_DIR := target/plugins
 TEST_PLUGIN_DIR := target/test-plugins
 
-.PHONY: all build plugins test-plugins interop-deps demo test chaos bench fmt lint clean test-alerts dist
+.PHONY: all build plugins test-plugins interop-deps demo test chaos bench fmt lint clean test-alerts dist image test-image
 
 all: build plugins
 
@@ -93,6 +93,17 @@ dist: plugins
 	tar -C target/tarball -czf target/tarball/$(DIST_NAME).tar.gz $(DIST_NAME)
 	cd target/tarball && sha256sum $(DIST_NAME).tar.gz > $(DIST_NAME).tar.gz.sha256
 	@ls -l target/tarball/$(DIST_NAME).tar.gz && cat target/tarball/$(DIST_NAME).tar.gz.sha256
+
+# The container image, made from the dist tarball (packaging/container/Dockerfile),
+# with Docker, or else buildah on the vfs driver (tests/container/build-image.sh).
+IMAGE ?= sluice:$(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+image: dist
+	tests/container/build-image.sh target/tarball/$(DIST_NAME) $(IMAGE)
+
+# The image run as a user would (podman): against a private PostgreSQL, its
+# HEALTHCHECK, its non-root user, its volume across a restart, and SIGTERM.
+test-image: image
+	tests/pg/with-postgres.sh tests/container/check-image.sh $(IMAGE)
 
 bench: plugins interop-deps
 	$(CARGO) build --release -p sluice -p sluice-bench

@@ -716,6 +716,7 @@ async fn tail_reads_a_secured_sluice_with_its_token_over_tls() {
         url: format!("https://{}", host.addr),
         token: Some(TOKEN.into()),
         ca: Some(ca.clone()),
+        pinned: None,
     };
     let status: serde_json::Value =
         serde_json::from_str(&endpoint.request("GET", "/status").await.unwrap().body).unwrap();
@@ -739,6 +740,25 @@ async fn tail_reads_a_secured_sluice_with_its_token_over_tls() {
         .output()
         .unwrap();
     assert!(with_env.status.success(), "{}", String::from_utf8_lossy(&with_env.stderr));
+
+    // `sluice health` with no URL, as a container's HEALTHCHECK runs it:
+    // the address and TLS come from the server's own settings, and the
+    // check trusts exactly the certificate it is configured to serve.
+    let health = |cert: &str| {
+        sluice()
+            .args(["health", "--ready"])
+            .env_remove("SLUICE_URL")
+            .env("SLUICE_LISTEN", host.addr.to_string().replace("127.0.0.1", "0.0.0.0"))
+            .env("SLUICE_TLS_CERT", pki.path(cert))
+            .output()
+            .unwrap()
+    };
+    let healthy = health("server.crt");
+    assert!(healthy.status.success(), "{}", String::from_utf8_lossy(&healthy.stderr));
+    let other = health("ca.crt");
+    assert!(!other.status.success());
+    let err = String::from_utf8_lossy(&other.stderr);
+    assert!(err.contains("not the one configured"), "{err}");
 }
 
 /// A real Prometheus (Debian's package, unpacked by

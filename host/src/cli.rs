@@ -175,24 +175,55 @@ pub struct SourceConfigArg {
     source_config: String,
 }
 
-/// How an admin command reaches a running Sluice.
+/// How an admin command reaches a running Sluice: `--url`, or else the
+/// address and TLS that `run` is configured with (`--listen`, `--tls-cert`,
+/// from the same flags, variables or `--config` file), dialled on loopback.
 #[derive(clap::Args, Debug)]
 pub struct EndpointArgs {
     /// The endpoint: `http://HOST:PORT`, or `https://HOST:PORT` when it
-    /// serves TLS.
-    #[arg(long, default_value = "http://127.0.0.1:4849", env = "SLUICE_URL")]
-    url: String,
+    /// serves TLS. Default: from `--listen` and `--tls-cert`.
+    #[arg(long, env = "SLUICE_URL")]
+    url: Option<String>,
     #[command(flatten)]
     token: TokenArgs,
-    /// The CA certificate (PEM) of an `https` endpoint (default: the system's roots).
+    /// The CA certificate (PEM) of an `https` endpoint (default: the system's
+    /// roots; without `--url`, the server's own `--tls-cert`).
     #[arg(long)]
     ca: Option<PathBuf>,
+    /// Without `--url`: the address Sluice listens on, as for `run`.
+    #[arg(long, default_value = "127.0.0.1:4849", env = "SLUICE_LISTEN")]
+    listen: String,
+    /// Without `--url`: the certificate Sluice serves, as for `run`; the
+    /// check trusts exactly that certificate.
+    #[arg(long, env = "SLUICE_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
 }
 
 impl EndpointArgs {
     fn endpoint(&self) -> anyhow::Result<crate::admin::http::Endpoint> {
-        Ok(crate::admin::http::Endpoint { url: self.url.clone(), token: self.token.read()?, ca: self.ca.clone() })
+        let token = self.token.read()?;
+        if let Some(url) = &self.url {
+            return Ok(crate::admin::http::Endpoint { url: url.clone(), token, ca: self.ca.clone(), pinned: None });
+        }
+        let scheme = if self.tls_cert.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://{}", loopback_for(&self.listen));
+        let pinned = if self.ca.is_some() { None } else { self.tls_cert.clone() };
+        Ok(crate::admin::http::Endpoint { url, token, ca: self.ca.clone(), pinned })
     }
+}
+
+/// The address to dial for a listen address: the same, but a wildcard
+/// (`0.0.0.0`, `[::]`) becomes its loopback.
+fn loopback_for(listen: &str) -> String {
+    let Ok(address) = listen.parse::<std::net::SocketAddr>() else {
+        return listen.to_string(); // HOST:PORT
+    };
+    let ip = match address.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+        ip => ip,
+    };
+    std::net::SocketAddr::new(ip, address.port()).to_string()
 }
 
 /// Runs an admin command (every command but `run`).
@@ -227,7 +258,7 @@ pub async fn execute(command: Command) -> anyhow::Result<()> {
             admin::plugins::list(&dir, cache_dir.unwrap_or_else(|| PathBuf::from("sluice-data/.cache"))).await
         }
         Command::Tail { url, token, ca, watermark, from_head, replica_version, max_tx, json, filters } => {
-            let endpoint = admin::http::Endpoint { url, token: token.read()?, ca };
+            let endpoint = admin::http::Endpoint { url, token: token.read()?, ca, pinned: None };
             let options =
                 crate::tail::TailOptions { endpoint, from_head, watermark, replica_version, max_tx, json, filters };
             crate::tail::run(options).await

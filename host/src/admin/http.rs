@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::Context;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::pgconn::tls::{SslMode, TlsSettings};
+use crate::pgconn::tls::{pinned_client_config, SslMode, TlsSettings};
 
 /// Where a running Sluice is and how to get in.
 #[derive(Debug, Clone)]
@@ -19,6 +19,10 @@ pub struct Endpoint {
     /// The CA that signed an `https` endpoint's certificate (default: the
     /// system's roots).
     pub ca: Option<std::path::PathBuf>,
+    /// Instead of a CA and the host's name: trust exactly this certificate
+    /// (PEM), the server's own `--tls-cert`, for a check made on the
+    /// server's machine that dials it by a loopback address.
+    pub pinned: Option<std::path::PathBuf>,
 }
 
 /// An answer: the status code and the body.
@@ -64,12 +68,18 @@ impl Endpoint {
         if !tls {
             return Ok(Box::new(tcp));
         }
-        let root = self.ca.as_deref().map(Path::display).map(|p| p.to_string()).unwrap_or("system".into());
-        let settings = TlsSettings::new(Some(SslMode::VerifyFull), Some(root), None, None)
-            .map_err(|e| anyhow::anyhow!("TLS: {e}"))?;
+        let config = match &self.pinned {
+            Some(cert) => pinned_client_config(cert).map_err(|e| anyhow::anyhow!("TLS: {e}"))?,
+            None => {
+                let root = self.ca.as_deref().map(Path::display).map(|p| p.to_string()).unwrap_or("system".into());
+                TlsSettings::new(Some(SslMode::VerifyFull), Some(root), None, None)
+                    .map_err(|e| anyhow::anyhow!("TLS: {e}"))?
+                    .client_config()
+            }
+        };
         let name = rustls::pki_types::ServerName::try_from(host.clone())
             .with_context(|| format!("{host} is not a valid TLS server name"))?;
-        let stream = tokio_rustls::TlsConnector::from(settings.client_config())
+        let stream = tokio_rustls::TlsConnector::from(config)
             .connect(name, tcp)
             .await
             .with_context(|| format!("TLS handshake with {authority}"))?;

@@ -122,7 +122,7 @@ impl TlsSettings {
             .with_safe_default_protocol_versions()
             .map_err(|e| format!("TLS set-up: {e}"))?;
         let builder = match check {
-            Check::Nothing => builder.dangerous().with_custom_certificate_verifier(Arc::new(NoCheck(provider))),
+            Check::Nothing => builder.dangerous().with_custom_certificate_verifier(Arc::new(NoCheck(provider, None))),
             Check::Chain | Check::ChainAndName => {
                 let roots = Arc::new(load_roots(root_cert.as_deref(), mode)?);
                 let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider)
@@ -198,21 +198,45 @@ fn load_roots(root_cert: Option<&str>, mode: SslMode) -> Result<RootCertStore, S
     Ok(roots)
 }
 
+/// A client that trusts exactly the first certificate in `cert_file` (PEM),
+/// whatever name it is dialled by: a server's own certificate, for a check
+/// made beside it (`sluice health` in its container). The handshake
+/// signatures are checked as always, so only the holder of its key passes.
+pub fn pinned_client_config(cert_file: &std::path::Path) -> Result<Arc<ClientConfig>, String> {
+    let chain = crate::tls::read_certs(cert_file).map_err(|e| format!("{}: {e}", cert_file.display()))?;
+    let pinned =
+        chain.into_iter().next().ok_or_else(|| format!("{}: no certificate in the file", cert_file.display()))?;
+    let provider = crate::tls::crypto_provider();
+    let config = ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS set-up: {e}"))?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(NoCheck(provider, Some(pinned))))
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
+
 /// `prefer` and `require` without a CA: encrypted, but any certificate is
-/// accepted (as libpq). The handshake signatures are still checked.
+/// accepted (as libpq); or, pinned, exactly one certificate. The handshake
+/// signatures are still checked.
 #[derive(Debug)]
-struct NoCheck(Arc<rustls::crypto::CryptoProvider>);
+struct NoCheck(Arc<rustls::crypto::CryptoProvider>, Option<CertificateDer<'static>>);
 
 impl ServerCertVerifier for NoCheck {
     fn verify_server_cert(
         &self,
-        _end_entity: &CertificateDer<'_>,
+        end_entity: &CertificateDer<'_>,
         _intermediates: &[CertificateDer<'_>],
         _server_name: &ServerName<'_>,
         _ocsp_response: &[u8],
         _now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
+        match &self.1 {
+            Some(pinned) if pinned.as_ref() != end_entity.as_ref() => {
+                Err(rustls::Error::General("the server's certificate is not the one configured (--tls-cert)".into()))
+            }
+            _ => Ok(ServerCertVerified::assertion()),
+        }
     }
 
     fn verify_tls12_signature(
