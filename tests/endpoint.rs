@@ -44,6 +44,10 @@ impl Host {
     }
 
     fn start_with(dir: tempfile::TempDir, extra: &[String]) -> Host {
+        Host::start_with_env(dir, extra, &[])
+    }
+
+    fn start_with_env(dir: tempfile::TempDir, extra: &[String], env: &[(&str, &str)]) -> Host {
         let addr = free_addr();
         let config = dir.path().join("sluice.toml");
         std::fs::write(
@@ -67,6 +71,7 @@ impl Host {
             .arg(format!("sqlite:{}", dir.path().join("log.db").display()))
             .args(extra)
             .env("SLUICE_TOKEN", TOKEN)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -883,5 +888,179 @@ async fn prometheus_scrapes_sluice_and_evaluates_the_packaged_alert_rules() {
     assert_eq!(evaluated.len(), 9, "every packaged rule is loaded");
     for rule in &evaluated {
         assert_eq!(rule["health"], "ok", "{}: {}", rule["name"], rule["lastError"]);
+    }
+}
+
+/// What an OTLP/HTTP receiver got, decoded with the official protobuf
+/// definitions (the opentelemetry-proto crate): every span with its
+/// resource's `service.name`, and every metric.
+#[derive(Default)]
+struct Received {
+    spans: Vec<(String, opentelemetry_proto::tonic::trace::v1::Span)>,
+    metrics: Vec<opentelemetry_proto::tonic::metrics::v1::Metric>,
+}
+
+/// An OTLP/HTTP (protobuf) receiver on a free port: `/v1/traces` and
+/// `/v1/metrics`.
+async fn otlp_receiver() -> (String, std::sync::Arc<std::sync::Mutex<Received>>) {
+    use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    use prost::Message;
+    type Shared = std::sync::Arc<std::sync::Mutex<Received>>;
+    let received: Shared = Default::default();
+    let service = |resource: Option<&opentelemetry_proto::tonic::resource::v1::Resource>| -> String {
+        resource
+            .into_iter()
+            .flat_map(|r| &r.attributes)
+            .find(|kv| kv.key == "service.name")
+            .and_then(|kv| match kv.value.as_ref()?.value.as_ref()? {
+                Value::StringValue(s) => Some(s.clone()),
+                _ => None,
+            })
+            .unwrap_or_default()
+    };
+    let traces = {
+        let received = received.clone();
+        move |body: axum::body::Bytes| async move {
+            let request = ExportTraceServiceRequest::decode(body).expect("an OTLP trace export");
+            let mut r = received.lock().unwrap();
+            for rs in request.resource_spans {
+                let name = service(rs.resource.as_ref());
+                for ss in rs.scope_spans {
+                    r.spans.extend(ss.spans.into_iter().map(|s| (name.clone(), s)));
+                }
+            }
+            axum::http::StatusCode::OK
+        }
+    };
+    let metrics = {
+        let received = received.clone();
+        move |body: axum::body::Bytes| async move {
+            let request = ExportMetricsServiceRequest::decode(body).expect("an OTLP metrics export");
+            let mut r = received.lock().unwrap();
+            for rm in request.resource_metrics {
+                assert_eq!(service(rm.resource.as_ref()), "sluice");
+                for sm in rm.scope_metrics {
+                    r.metrics.extend(sm.metrics);
+                }
+            }
+            axum::http::StatusCode::OK
+        }
+    };
+    let app = axum::Router::new()
+        .route("/v1/traces", axum::routing::post(traces))
+        .route("/v1/metrics", axum::routing::post(metrics));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}"), received)
+}
+
+/// OpenTelemetry configured by the standard variables, as for zero-cache:
+/// a real OTLP/HTTP receiver gets the trace of a transaction's path (its
+/// source batch, the transaction, its fan-out and the storage commit that
+/// made it durable, all one trace, each the child of the right span), a
+/// subscriber's catch-up scan, and the `/metrics` families as OTLP metrics
+/// (a counter as a monotonic sum, a gauge with its attributes, the commit
+/// histogram), under `service.name` "sluice".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opentelemetry_exports_a_transactions_trace_and_the_metrics_over_otlp() {
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    use opentelemetry_proto::tonic::metrics::v1::metric::Data;
+    use opentelemetry_proto::tonic::metrics::v1::number_data_point;
+    let (endpoint, received) = otlp_receiver().await;
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_METRIC_EXPORT_INTERVAL", "300"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
+    let host = Host::start_with_env(tempfile::tempdir().unwrap(), &[], &env);
+    assert!(host.log_text().contains(&format!("OpenTelemetry: traces and metrics over OTLP/HTTP to {endpoint}")));
+    // A subscriber from the start is caught up from the log: a scan.
+    let mut client = host.subscribe("", Some(format!("Bearer {TOKEN}"))).await.expect("subscribed");
+    assert!(client.next().await.is_some());
+
+    let attr = |span: &opentelemetry_proto::tonic::trace::v1::Span, key: &str| -> Option<String> {
+        span.attributes.iter().find(|kv| kv.key == key).and_then(|kv| match kv.value.as_ref()?.value.as_ref()? {
+            Value::StringValue(s) => Some(s.clone()),
+            Value::IntValue(i) => Some(i.to_string()),
+            _ => None,
+        })
+    };
+    let deadline = Instant::now() + WAIT;
+    let (transaction, path) = loop {
+        {
+            let r = received.lock().unwrap();
+            let spans: Vec<&opentelemetry_proto::tonic::trace::v1::Span> = r.spans.iter().map(|(_, s)| s).collect();
+            let named = |name: &'static str| spans.iter().copied().filter(move |s| s.name == name);
+            let child_of = |name: &'static str, parent: &opentelemetry_proto::tonic::trace::v1::Span| {
+                named(name).find(|s| s.trace_id == parent.trace_id && s.parent_span_id == parent.span_id).cloned()
+            };
+            let found = named("sluice.transaction").find_map(|tx| {
+                let batch = named("sluice.source.batch")
+                    .find(|b| b.span_id == tx.parent_span_id && b.trace_id == tx.trace_id)?;
+                let fan_out = child_of("sluice.fan_out", tx)?;
+                let commit = child_of("sluice.storage.commit", tx)?;
+                Some((tx.clone(), [batch.clone(), fan_out, commit]))
+            });
+            if let (Some(found), true) = (found, named("sluice.catchup.scan").next().is_some()) {
+                assert!(r.spans.iter().all(|(service, _)| service == "sluice"));
+                break found;
+            }
+        }
+        assert!(Instant::now() < deadline, "no whole transaction trace arrived:\n{}", host.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let [batch, fan_out, commit] = path;
+    let watermark = attr(&transaction, "watermark").expect("the transaction's watermark");
+    assert_eq!(attr(&batch, "source").as_deref(), Some("mock-source"));
+    assert!(
+        attr(&batch, "messages").and_then(|n| n.parse::<u64>().ok()).is_some_and(|n| n >= 4),
+        "begin, 2 rows, commit"
+    );
+    assert!(attr(&fan_out, "subscribers").is_some());
+    assert!(attr(&commit, "watermark").is_some_and(|w| w >= watermark), "{watermark}");
+    // The commit span ends when the change log has made it durable; the
+    // transaction span ends then too, so it covers the whole path.
+    assert!(transaction.start_time_unix_nano <= fan_out.start_time_unix_nano);
+    assert!(commit.end_time_unix_nano <= transaction.end_time_unix_nano);
+
+    let deadline = Instant::now() + WAIT;
+    loop {
+        {
+            let r = received.lock().unwrap();
+            let metric = |name: &str| r.metrics.iter().rev().find(|m| m.name == name);
+            let stored = metric("sluice_transactions_stored").and_then(|m| match m.data.as_ref()? {
+                Data::Sum(sum) if sum.is_monotonic => sum.data_points.first().and_then(|p| match p.value? {
+                    number_data_point::Value::AsDouble(v) => Some(v),
+                    number_data_point::Value::AsInt(v) => Some(v as f64),
+                }),
+                _ => None,
+            });
+            let build_info = metric("sluice_build_info").and_then(|m| match m.data.as_ref()? {
+                Data::Gauge(g) => g.data_points.first().map(|p| {
+                    p.attributes.iter().any(|kv| {
+                        kv.key == "version"
+                            && matches!(kv.value.as_ref().and_then(|v| v.value.as_ref()),
+                                Some(Value::StringValue(v)) if v == env!("CARGO_PKG_VERSION"))
+                    })
+                }),
+                _ => None,
+            });
+            let commits = metric("sluice_storage_commit_seconds").and_then(|m| match m.data.as_ref()? {
+                Data::Histogram(h) if m.unit == "s" => h.data_points.first().map(|p| p.count),
+                _ => None,
+            });
+            if stored.is_some_and(|n| n > 0.0) && build_info == Some(true) && commits.is_some_and(|n| n > 0) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "metrics: stored {stored:?}, build_info {build_info:?}, commits {commits:?}; names: {:?}",
+                r.metrics.iter().map(|m| m.name.as_str()).collect::<std::collections::BTreeSet<_>>()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

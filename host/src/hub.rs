@@ -191,6 +191,11 @@ impl Hub {
         inner.forwarder.forward(&Arc::new(Entry { watermark: watermark.clone(), change }));
     }
 
+    /// How many subscribers the forwarder serves (for a trace's fan-out span).
+    pub fn subscriber_count(&self) -> usize {
+        self.lock().forwarder.len()
+    }
+
     /// Forwards without storing (the synthetic rollback of an interrupted
     /// transaction).
     pub fn forward_only(&self, watermark: &Arc<str>, change: Change) {

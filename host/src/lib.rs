@@ -29,5 +29,6 @@ pub mod storer;
 pub mod streamer;
 pub mod subscriber;
 pub mod tail;
+pub mod telemetry;
 pub mod tls;
 pub mod watermark;

@@ -16,20 +16,14 @@ fn main() -> ExitCode {
         // Help, the version and usage errors, printed as clap prints them.
         Err(e) => e.exit(),
     };
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,wasmtime=warn,cranelift=warn")),
-        )
-        .with_writer(std::io::stderr)
-        // Colour only for a person at a terminal, never into a collector's file.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let json_logs = cli.log_format == LogFormat::Json;
-    if json_logs {
-        logs.json().init();
-    } else {
-        logs.init();
-    }
+    let telemetry = match sluice::telemetry::install(cli.log_format) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -46,6 +40,7 @@ fn main() -> ExitCode {
     // The graceful part is done or past its bound: a call still running on a
     // blocking thread (storage, a plugin) must not keep the process alive.
     runtime.shutdown_timeout(Duration::from_secs(1));
+    telemetry.shutdown();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

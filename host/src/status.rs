@@ -201,6 +201,9 @@ pub struct Status {
     change_log_call_ms: AtomicU64,
     /// When the last durable transaction's lag was measured.
     source_lag_at_ms: AtomicU64,
+    /// The two histograms again, as OpenTelemetry instruments, once OTLP
+    /// metrics are on (`telemetry::bridge`).
+    otel_histograms: std::sync::OnceLock<[opentelemetry::metrics::Histogram<f64>; 2]>,
 }
 
 /// Marks a change log call in flight until dropped (see
@@ -226,6 +229,7 @@ impl Default for Status {
             source_heard_ms: AtomicU64::default(),
             change_log_call_ms: AtomicU64::default(),
             source_lag_at_ms: AtomicU64::default(),
+            otel_histograms: std::sync::OnceLock::new(),
             // 0.25 ms to about 8 s.
             commit_seconds: prometheus_client::metrics::histogram::Histogram::new(
                 prometheus_client::metrics::histogram::exponential_buckets(0.00025, 2.0, 16),
@@ -368,14 +372,29 @@ impl Status {
         &self.source_lag_seconds
     }
 
+    /// Records the commit and source-lag histograms into these
+    /// OpenTelemetry instruments too, from now on.
+    pub fn export_histograms(
+        &self,
+        commit: opentelemetry::metrics::Histogram<f64>,
+        lag: opentelemetry::metrics::Histogram<f64>,
+    ) {
+        let _ = self.otel_histograms.set([commit, lag]);
+    }
+
     /// Transactions committed upstream at `commit_times_ms` (ms since the
     /// Unix epoch) are durable now. A clock behind the upstream's counts as
     /// no lag rather than a negative one.
     pub fn durable_after_upstream(&self, commit_times_ms: &[f64]) {
         let Some(last) = commit_times_ms.last() else { return };
         let now = now_ms() as f64;
+        let otel = self.otel_histograms.get().map(|[_, lag]| lag);
         for t in commit_times_ms {
-            self.source_lag_seconds.observe((now - t).max(0.0) / 1e3);
+            let seconds = (now - t).max(0.0) / 1e3;
+            self.source_lag_seconds.observe(seconds);
+            if let Some(lag) = otel {
+                lag.record(seconds, &[]);
+            }
         }
         self.source_lag_at_ms.store(now as u64, Ordering::Relaxed);
         self.update(|s| s.source_lag_ms = Some((now - last).max(0.0)));
@@ -392,6 +411,9 @@ impl Status {
         let ns = elapsed.as_nanos() as u64;
         if let Stage::Commit = stage {
             self.commit_seconds.observe(elapsed.as_secs_f64());
+            if let Some([commit, _]) = self.otel_histograms.get() {
+                commit.record(elapsed.as_secs_f64(), &[]);
+            }
         }
         let counter = match stage {
             Stage::Source => &self.source_ns,

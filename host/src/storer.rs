@@ -45,6 +45,9 @@ enum Command {
         watermark: Arc<str>,
         change: Change,
     },
+    /// A traced transaction (its commit follows): the storage commit that
+    /// makes it durable is a span of its trace.
+    Traced(Arc<str>, tracing::Span),
     /// The stream ended inside a transaction: drop what was written of it.
     Abort,
     MarkResetRequired,
@@ -206,6 +209,12 @@ impl Storer {
         let _ = self.commands.0.send(Command::Change { watermark: watermark.clone(), change: change.clone() });
     }
 
+    /// Traces the storage commit of transaction `watermark` under `span`
+    /// (sent before its commit, only when traces are on).
+    pub fn trace(&self, watermark: &Arc<str>, span: tracing::Span) {
+        let _ = self.commands.0.send(Command::Traced(watermark.clone(), span));
+    }
+
     pub fn abort(&self) {
         let _ = self.commands.0.send(Command::Abort);
     }
@@ -303,6 +312,8 @@ struct Worker {
     /// Upstream commit times (ms) of the group's transactions, for the
     /// sources that give them.
     group_commit_times: Vec<f64>,
+    /// Traced transactions not yet durable, in commit order.
+    traced: Vec<(Arc<str>, tracing::Span)>,
     /// The upstream transaction being written.
     current: Option<CurrentTx>,
     rows: Vec<PendingRow>,
@@ -333,6 +344,7 @@ impl Worker {
             group_bytes: 0,
             group_last_commit: None,
             group_commit_times: Vec::new(),
+            traced: Vec::new(),
             current: None,
             rows: Vec::new(),
             rows_bytes: 0,
@@ -366,6 +378,7 @@ impl Worker {
                     self.budget.release(bytes);
                     result?;
                 }
+                Command::Traced(watermark, span) => self.traced.push((watermark, span)),
                 Command::Abort => self.abort_current()?,
                 Command::Catchup(sub, rv) => self.catchups.push((sub, rv)),
                 Command::Stop => break,
@@ -559,9 +572,12 @@ impl Worker {
             return Ok(());
         };
         self.flush_rows()?;
+        let span = self.commit_span(&last);
         let t = std::time::Instant::now();
-        self.log.commit(&last).with_context(|| format!("committing the change log through {last}"))?;
+        span.in_scope(|| self.log.commit(&last))
+            .with_context(|| format!("committing the change log through {last}"))?;
         self.status.count(Stage::Commit, t);
+        drop(span);
         self.storage_open = false;
         if let Some(established) = self.establish.take() {
             (established.on_durable)(&last);
@@ -576,6 +592,28 @@ impl Worker {
         });
         let _ = self.durable.send(last);
         Ok(())
+    }
+}
+
+impl Worker {
+    /// The span of a storage commit through `last`, in the trace of the
+    /// last traced transaction it makes durable and linked to the others
+    /// (disabled when none is traced). Those transactions' spans end with it.
+    fn commit_span(&mut self, last: &str) -> tracing::Span {
+        if self.traced.is_empty() {
+            return tracing::Span::none();
+        }
+        let durable = self.traced.iter().take_while(|(w, _)| **w <= *last).count();
+        let group: Vec<(Arc<str>, tracing::Span)> = self.traced.drain(..durable).collect();
+        let Some((_, parent)) = group.last() else { return tracing::Span::none() };
+        let span = tracing::debug_span!(
+            target: crate::telemetry::TARGET, parent: parent, "sluice.storage.commit",
+            transactions = self.group_transactions, watermark = %last
+        );
+        for (_, other) in &group[..group.len() - 1] {
+            span.follows_from(other);
+        }
+        span
     }
 }
 

@@ -294,7 +294,10 @@ impl Scan {
 impl Catchups {
     /// Runs one scan until it has no members left.
     pub(super) async fn run(self: Arc<Self>, scan: Arc<Scan>) {
-        if let Err(e) = self.run_scan(&scan).await {
+        // A trace of its own (traces on only): the scan and each batch read.
+        let span =
+            tracing::debug_span!(target: crate::telemetry::TARGET, "sluice.catchup.scan", subscribers = scan.members());
+        if let Err(e) = tracing::Instrument::instrument(self.run_scan(&scan), span).await {
             tracing::warn!("catch-up failed, closing its subscribers so they retry: {e:#}");
             for m in scan.end() {
                 m.sub.close(None);
@@ -315,7 +318,9 @@ impl Catchups {
                     None => self.permits.clone().acquire_owned().await?,
                 };
                 let (shared, catchups) = (scan.clone(), self.clone());
+                let read = tracing::debug_span!(target: crate::telemetry::TARGET, "sluice.catchup.read");
                 let (snap, batch) = tokio::task::spawn_blocking(move || {
+                    let _read = read.enter();
                     let batch = shared.read_and_hand_out(snapshot.as_mut(), pinned, &catchups.counters);
                     (snapshot, batch)
                 })

@@ -70,6 +70,8 @@ pub fn router(state: AppState) -> Router {
         state.hub.clone(),
         state.ready_backoff,
     ));
+    // The same families over OTLP, when that is configured.
+    crate::telemetry::bridge::export(metrics.clone(), &state.status);
     let guarded = Router::new()
         .route("/status", get(status_json))
         .route("/metrics", get(move || metrics_text(metrics.clone())))

@@ -21,6 +21,7 @@ use crate::source::{ChangeSource, ChangeStream, Resume, SourceError};
 use crate::status::{LineageState, SourceState, Stage, Status, TableProgress};
 use crate::storage::{ChangeLog, LogError, LogResult, NewLineage};
 use crate::storer::{Establish, Storer, StorerOptions};
+use crate::telemetry::TARGET;
 use acker::UpstreamAcker;
 use backoff::Backoff;
 
@@ -521,8 +522,12 @@ impl Streamer {
             quiet = QuietSource::default();
             self.status.source_message();
             let mut started = std::time::Instant::now();
+            // The root of the traces of the transactions that begin in it.
+            let batch_span = tracing::debug_span!(
+                target: TARGET, "sluice.source.batch", source = %self.source.name(), messages = batch.len()
+            );
             for msg in batch {
-                if let Err(end) = self.process(msg, &mut encoder, storer, state, &mut acks) {
+                if let Err(end) = self.process(msg, &mut encoder, storer, state, &mut acks, &batch_span) {
                     return end;
                 }
                 if state.unflushed_bytes >= self.options.flow_control_bytes {
@@ -585,6 +590,7 @@ impl Streamer {
         storer: &Storer,
         state: &mut StreamState,
         acks: &mut Vec<String>,
+        batch_span: &tracing::Span,
     ) -> Result<(), PassEnd> {
         let watermark = match &msg {
             Message::Begin(b) => Some(b.commit_watermark.clone()),
@@ -641,6 +647,8 @@ impl Streamer {
                     )));
                 }
                 state.skipping = None;
+                state.tx_span =
+                    tracing::debug_span!(target: TARGET, parent: batch_span, "sluice.transaction", watermark = %w);
                 state.tx = Some(Arc::from(w));
             }
             Kind::Data | Kind::Rollback | Kind::Commit if state.skipping.is_some() => {
@@ -688,7 +696,18 @@ impl Streamer {
             self.count_snapshot_progress(&change);
         }
         state.unflushed_bytes += change.json.len();
-        self.hub.publish(storer, &tx, change);
+        if kind == Kind::Commit && !state.tx_span.is_disabled() {
+            // Traced: the storer's commit span joins this transaction's
+            // trace, and the commit's hand-off to every subscriber is one.
+            let tx_span = std::mem::replace(&mut state.tx_span, tracing::Span::none());
+            let fan_out = tracing::debug_span!(
+                target: TARGET, parent: &tx_span, "sluice.fan_out", subscribers = self.hub.subscriber_count()
+            );
+            storer.trace(&tx, tx_span);
+            fan_out.in_scope(|| self.hub.publish(storer, &tx, change));
+        } else {
+            self.hub.publish(storer, &tx, change);
+        }
         match kind {
             Kind::Commit => {
                 state.last_commit = tx.to_string();
@@ -696,7 +715,10 @@ impl Streamer {
                 state.tx = None;
                 acks.extend(self.acker.on_commit(&tx));
             }
-            Kind::Rollback => state.tx = None,
+            Kind::Rollback => {
+                state.tx = None;
+                state.tx_span = tracing::Span::none();
+            }
             Kind::Begin | Kind::Data => {}
         }
         Ok(())
@@ -819,6 +841,8 @@ struct StreamState {
     stored_any: bool,
     /// Bytes forwarded since the last flow-control wait.
     unflushed_bytes: usize,
+    /// The open transaction's trace span (disabled unless traces are on).
+    tx_span: tracing::Span,
 }
 
 impl StreamState {
@@ -831,6 +855,7 @@ impl StreamState {
             skipping: None,
             stored_any: false,
             unflushed_bytes: 0,
+            tx_span: tracing::Span::none(),
         }
     }
 }
