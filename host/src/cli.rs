@@ -16,10 +16,11 @@ use crate::settings::{check_source_config, source_config, ChangeLogArgs, LogForm
 static VERSION: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     let (major, minor) = crate::plugin::WIT_VERSION;
     format!(
-        "{} (git {}, plugin WIT {}@{major}.{minor})",
+        "{} (git {}, plugin WIT {}@{}, loads {major}.{minor}.x)",
         env!("CARGO_PKG_VERSION"),
         env!("SLUICE_GIT_REV"),
-        crate::plugin::WIT_PACKAGE
+        crate::plugin::WIT_PACKAGE,
+        sluice_contract::WIT_RELEASE
     )
 });
 

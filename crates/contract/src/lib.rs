@@ -46,6 +46,21 @@ pub mod filter {
     pub use crate::filter_world::exports::sluice::plugin::filter::{Batch, Decision, TablePolicy};
 }
 
-/// The WIT package this contract is, and its version.
+/// The WIT package this contract is, and its version: the host loads
+/// plugins built against any `WIT_VERSION` minor (0.3.x).
 pub const WIT_PACKAGE: &str = "sluice:plugin";
 pub const WIT_VERSION: (u64, u64) = (0, 3);
+/// The exact version of `wit/sluice.wit` this is built from.
+pub const WIT_RELEASE: &str = "0.3.2";
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_release_is_the_wit_files_package_version() {
+        let wit = include_str!("../../../wit/sluice.wit");
+        let package = format!("package {}@{};", super::WIT_PACKAGE, super::WIT_RELEASE);
+        assert!(wit.lines().any(|l| l.trim() == package), "wit/sluice.wit does not declare `{package}`");
+        let (major, minor) = super::WIT_VERSION;
+        assert!(super::WIT_RELEASE.starts_with(&format!("{major}.{minor}.")));
+    }
+}
