@@ -289,7 +289,23 @@ fn frame_parts(text: &[u8]) -> anyhow::Result<(u64, std::ops::Range<usize>)> {
 /// sent after the subscriber had been live for half a second: earlier ones
 /// came by catch-up from the log, which is not what live latency means.
 async fn bench_subscriber(addr: String, id: usize, last: String, extra: String) -> anyhow::Result<(u64, Vec<u64>)> {
-    bench_subscriber_over(addr, id, last, extra, None).await
+    bench_subscriber_over(addr, id, last, extra, None).await.map(|r| (r.changes, r.latencies))
+}
+
+/// What one bench subscriber got.
+struct Received {
+    /// Data changes of whole transactions.
+    changes: u64,
+    /// Live commit latencies (µs).
+    latencies: Vec<u64>,
+    /// Times the server closed it as too far behind (`StreamTooFarBehind`,
+    /// type 3: its backlog, its unconsumed bytes or the memory budget), after
+    /// which it resumed from its last commit, as Zero's client does.
+    too_far_behind: u32,
+    /// Connections that ended without an error message (and why, the last
+    /// time); it resumed after those too.
+    lost: u32,
+    lost_why: Option<String>,
 }
 
 /// A byte stream a WebSocket runs over: TCP, or TLS over TCP.
@@ -321,7 +337,7 @@ async fn bench_subscriber_over(
     last: String,
     extra: String,
     tls: Option<Arc<rustls::ClientConfig>>,
-) -> anyhow::Result<(u64, Vec<u64>)> {
+) -> anyhow::Result<Received> {
     use futures::{FutureExt, SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message as Ws;
     let now_us = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64);
@@ -330,7 +346,7 @@ async fn bench_subscriber_over(
     // The last commit received: a connection the server closes cleanly (it
     // was not ready yet) is resumed from there, as Zero's client does.
     let mut resume = "00".to_string();
-    let mut attempts = 0;
+    let (mut attempts, mut too_far_behind, mut lost, mut lost_why) = (0, 0, 0, None);
     loop {
         let scheme = if tls.is_some() { "wss" } else { "ws" };
         let url = format!(
@@ -340,15 +356,24 @@ async fn bench_subscriber_over(
         // Changes of a transaction count once its commit arrives (a cut
         // transaction is sent again whole).
         let mut in_tx = 0u64;
-        let mut done = false;
-        while !done {
+        let (mut done, mut closed) = (false, false);
+        while !done && !closed {
             let Some(first) = ws.next().await else { break };
             let mut frame = Some(first);
             while let Some(f) = frame {
-                if let Ws::Text(text) = f? {
+                let f = match f {
+                    Ok(f) => f,
+                    Err(e) => {
+                        lost += 1;
+                        lost_why = Some(e.to_string());
+                        closed = true;
+                        break;
+                    }
+                };
+                if let Ws::Text(text) = f {
                     // Only commits are parsed in full.
-                    let (id, msg) = split_frame(&text)?;
-                    ws.feed(Ws::Text(format!("{{\"ack\":{id}}}").into())).await?;
+                    let (msg_id, msg) = split_frame(&text)?;
+                    ws.feed(Ws::Text(format!("{{\"ack\":{msg_id}}}").into())).await?;
                     if msg.starts_with("[\"data\"") {
                         in_tx += 1;
                     } else if msg.starts_with("[\"commit\"") {
@@ -365,16 +390,27 @@ async fn bench_subscriber_over(
                             break;
                         }
                     } else if msg.starts_with("[\"error\"") {
-                        anyhow::bail!("subscriber {id}: {msg}");
+                        let error: serde_json::Value = serde_json::from_str(msg)?;
+                        anyhow::ensure!(error[1]["type"] == 3, "subscriber {id}: {msg}");
+                        too_far_behind += 1;
+                        closed = true;
+                        break;
                     }
                 }
                 // Frames that already arrived, without waiting for more.
                 frame = ws.next().now_or_never().flatten();
             }
-            ws.flush().await?;
+            if closed {
+                break; // the server is closing the socket: nothing to flush
+            }
+            if let Err(e) = ws.flush().await {
+                lost += 1;
+                lost_why = Some(e.to_string());
+                break;
+            }
         }
         if done {
-            return Ok((changes, latencies));
+            return Ok(Received { changes, latencies, too_far_behind, lost, lost_why });
         }
         attempts += 1;
         anyhow::ensure!(attempts < 50, "subscriber {id}: closed by the server {attempts} times");
@@ -506,12 +542,14 @@ async fn fanout_over(
     let tasks: Vec<_> = (0..subscribers)
         .map(|i| tokio::spawn(bench_subscriber_over(addr.clone(), i, last.clone(), extra(i), client.clone())))
         .collect();
-    let mut changes = 0u64;
-    let mut latencies = Vec::new();
+    let (mut changes, mut latencies, mut too_far_behind, mut lost, mut lost_why) = (0u64, Vec::new(), 0, 0, None);
     for t in tasks {
-        let (c, l) = t.await??;
-        changes += c;
-        latencies.extend(l);
+        let received = t.await??;
+        changes += received.changes;
+        latencies.extend(received.latencies);
+        too_far_behind += received.too_far_behind;
+        lost += received.lost;
+        lost_why = received.lost_why.or(lost_why);
     }
     let secs = t0.elapsed().as_secs_f64();
     let rss = peak_rss_mib(child.id());
@@ -534,8 +572,17 @@ async fn fanout_over(
             percentile(&latencies, 0.99)
         )
     };
+    // A close as too far behind is reported, not fatal: the subscriber
+    // resumed, and the figures include its catch-up.
+    let mut resumed = String::new();
+    if too_far_behind > 0 {
+        resumed.push_str(&format!(", {too_far_behind} closes as too far behind (resumed)"));
+    }
+    if let Some(why) = lost_why {
+        resumed.push_str(&format!(", {lost} connections lost (resumed; last: {why})"));
+    }
     println!(
-        "{subscribers:>3} subscribers{filtered}{}, {}: {:>9.0} changes/s delivered in total, {latency}, sluice peak RSS {:.0} MiB",
+        "{subscribers:>3} subscribers{filtered}{}, {}: {:>9.0} changes/s delivered in total, {latency}, sluice peak RSS {:.0} MiB{resumed}",
         if tls.is_some() { " over TLS" } else { "" },
         if rate > 0.0 { format!("source at {rate:.0} tx/s") } else { "source unthrottled".to_string() },
         changes as f64 / secs,
