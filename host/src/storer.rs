@@ -593,12 +593,11 @@ impl Worker {
         let _ = self.durable.send(last);
         Ok(())
     }
-}
 
-impl Worker {
     /// The span of a storage commit through `last`, in the trace of the
-    /// last traced transaction it makes durable and linked to the others
-    /// (disabled when none is traced). Those transactions' spans end with it.
+    /// last traced transaction it makes durable (whose span stays open
+    /// until it ends) and linked to the others (disabled when none is
+    /// traced).
     fn commit_span(&mut self, last: &str) -> tracing::Span {
         if self.traced.is_empty() {
             return tracing::Span::none();
