@@ -9,6 +9,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::pgconn::tls::{pinned_client_config, SslMode, TlsSettings};
 
+/// The bound on reaching the endpoint (TCP and TLS) and on one request's
+/// answer: a Sluice that is stopped or unreachable fails the admin
+/// command (and a container's HEALTHCHECK) instead of hanging it.
+const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Where a running Sluice is and how to get in.
 #[derive(Debug, Clone)]
 pub struct Endpoint {
@@ -60,6 +65,13 @@ impl Endpoint {
     /// A connection to the endpoint: TCP, with TLS for `https`/`wss`
     /// (checked against `ca` or the system's roots, and the host's name).
     pub async fn connect(&self) -> anyhow::Result<Box<dyn Io>> {
+        let (_, _, authority) = self.parts()?;
+        tokio::time::timeout(CALL_TIMEOUT, self.connect_unbounded()).await.unwrap_or_else(|_| {
+            anyhow::bail!("{authority} did not accept a connection within {} s", CALL_TIMEOUT.as_secs())
+        })
+    }
+
+    async fn connect_unbounded(&self) -> anyhow::Result<Box<dyn Io>> {
         let (tls, host, authority) = self.parts()?;
         let tcp = tokio::net::TcpStream::connect(&authority)
             .await
@@ -94,7 +106,10 @@ impl Endpoint {
             request.push_str(&format!("Authorization: {value}\r\n"));
         }
         request.push_str("\r\n");
-        let raw = exchange(self.connect().await?, &request).await?;
+        let stream = self.connect().await?;
+        let raw = tokio::time::timeout(CALL_TIMEOUT, exchange(stream, &request)).await.unwrap_or_else(|_| {
+            anyhow::bail!("{authority} did not answer {method} {path} within {} s", CALL_TIMEOUT.as_secs())
+        })?;
         let (head, body) = raw.split_once("\r\n\r\n").context("malformed HTTP answer")?;
         let status = head
             .split_whitespace()
