@@ -415,10 +415,8 @@ async fn a_silent_mariadb_link_is_noticed_and_replication_catches_up() {
     tokio::time::sleep(partition().saturating_sub(noticed)).await;
     proxy.set(Link::Up);
     let healed = Instant::now();
-    // Rows the writer had sent by now; the last ones may still be committing,
-    // so count from a moment later.
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let rows_at_heal = written.load(Ordering::Acquire).saturating_sub(8) as usize;
+    // The rows committed by now (the writer's count is of rows sent).
+    let rows_at_heal: usize = m.sql(&format!("SELECT COUNT(*) FROM {db}.events")).trim().parse().unwrap();
     subs.wait_for_rows(rows_at_heal, &host).await;
     let caught_up = healed.elapsed();
     until("/readyz 200 again", &host, Duration::from_secs(60), || host.ready() == Some(true)).await;

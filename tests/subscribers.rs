@@ -28,6 +28,7 @@ on_both_backends!(
     live_and_caught_up_frames_are_byte_identical_with_big_integers_intact,
     status_first_or_watermark_too_old_after_a_purge,
     purge_floor_is_the_slowest_ack_and_keeps_the_latest_transaction,
+    a_departed_subscribers_ack_holds_the_log_while_it_reconnects,
     wrong_replica_version_is_an_error,
     a_dying_source_rolls_back_the_open_transaction_exactly_once,
     subscribers_joining_mid_transaction_get_each_transaction_once,
@@ -259,6 +260,36 @@ async fn purge_floor_is_the_slowest_ack_and_keeps_the_latest_transaction(backend
     let old = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "04").await;
     let mut old = old;
     assert_eq!(old.take(1).await, ["error 2 earliest supported watermark is 08 (requested 04)"]);
+}
+
+/// A purge that runs while a subscriber reconnects (its link dropped, its
+/// process restarted) keeps what it still needs: its last ack holds the
+/// floor for the subscriber retention, though another subscriber acked
+/// further.
+async fn a_departed_subscribers_ack_holds_the_log_while_it_reconnects(backend: Backend) {
+    let s = server(backend).await;
+    for w in ["03", "04", "05", "06", "07", "08"] {
+        s.feed.tx(w, &[1]);
+    }
+    s.stored("08").await;
+    let mut ahead = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "08").await;
+    assert_eq!(ahead.take(1).await, ["status"]);
+    let mut behind = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "04").await;
+    assert_eq!(behind.take(4).await, ["status", "begin 05", "insert 1", "commit 05"]);
+    // Gone without a close handshake, its ack of 05 sent.
+    drop(behind);
+    let hub = s.hub.clone();
+    wait_until("the departed subscriber's position to be kept", WAIT, || {
+        let kept = hub.reservations().list().contains(&("subscriber test".into(), "05".into(), false));
+        async move { kept }
+    })
+    .await;
+    let (floor, _) = tokio::task::block_in_place(|| purge_once(&s.hub, &CleanupOptions::default())).unwrap();
+    assert_eq!(floor.as_deref(), Some("05"), "the connected subscriber acked 08");
+    assert_eq!(s.spec.rows().await[0].watermark, "05");
+    let mut back = Client::subscribe_at(&s.addr, SNAPSHOT_RV, "05").await;
+    assert_eq!(back.take(4).await, ["status", "begin 06", "insert 1", "commit 06"]);
+    drop(ahead);
 }
 
 async fn wrong_replica_version_is_an_error(backend: Backend) {

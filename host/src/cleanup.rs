@@ -5,6 +5,9 @@
 //! stored within T). With no subscribers only the retention window holds the
 //! log. Only rows strictly below the floor are deleted and the newest
 //! transaction always stays, so a subscriber at the floor can still catch up.
+//! Subscribers that disconnected a moment ago still count (see
+//! `crate::reservations`), and for that while after a start, when the acks
+//! of the previous process's subscribers are unknown, nothing is purged.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,6 +52,11 @@ pub fn purge_once(hub: &Hub, options: &CleanupOptions) -> anyhow::Result<(Option
     if options.retain_transactions.is_some() || options.retain_for.is_some() {
         if let Some(keep) = reader.retention_floor(options.retain_transactions, options.retain_for)? {
             floor = floor.min(keep);
+        }
+    }
+    if hub.holding_for_returning_subscribers() {
+        if let Some(min) = &bounds.min_watermark {
+            floor = floor.min(min.clone());
         }
     }
     if bounds.min_watermark.as_deref().is_some_and(|min| min >= floor.as_str()) {

@@ -31,9 +31,12 @@ impl Forwarder {
         }
     }
 
-    pub fn remove(&mut self, sub: &Arc<Subscriber>) {
+    /// Removes `sub`; whether it was there.
+    pub fn remove(&mut self, sub: &Arc<Subscriber>) -> bool {
+        let before = self.len();
         self.active.retain(|s| !Arc::ptr_eq(s, sub));
         self.queued.retain(|s| !Arc::ptr_eq(s, sub));
+        self.len() < before
     }
 
     pub fn forward(&mut self, entry: &Arc<Entry>) {

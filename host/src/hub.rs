@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::catchup::{CatchupOptions, Catchups};
 use crate::change::Change;
 use crate::forwarder::Forwarder;
-use crate::reservations::{Reservations, DEFAULT_RETENTION};
+use crate::reservations::{Reservations, Retention};
 use crate::status::Status;
 use crate::storage::LogReader;
 use crate::storer::{CatchupQueue, Storer};
@@ -28,6 +28,11 @@ pub struct Hub {
     status: Arc<Status>,
     /// Positions held for consumers between their connections.
     reservations: Arc<Reservations>,
+    /// How long a departed subscriber's last ack holds the log.
+    subscriber_retention: Duration,
+    /// Until when purges wait for the subscribers of the process that wrote
+    /// the log before this one (see [`Hub::inherited_log`]).
+    purge_hold: Mutex<Option<Instant>>,
 }
 
 struct Inner {
@@ -53,7 +58,7 @@ enum StorerSlot {
 
 impl Hub {
     pub fn new(reader: Arc<dyn LogReader>, status: Arc<Status>) -> Arc<Hub> {
-        Hub::with_options(reader, status, DEFAULT_RETENTION, CatchupOptions::default(), Arc::default())
+        Hub::with_options(reader, status, Retention::default(), CatchupOptions::default(), Arc::default())
     }
 
     /// The same, keeping a disconnected consumer's position for `retention`
@@ -62,7 +67,7 @@ impl Hub {
     pub fn with_options(
         reader: Arc<dyn LogReader>,
         status: Arc<Status>,
-        retention: Duration,
+        retention: Retention,
         catchup: CatchupOptions,
         budget: Arc<MemoryBudget>,
     ) -> Arc<Hub> {
@@ -76,7 +81,9 @@ impl Hub {
             }),
             reader,
             status,
-            reservations: Reservations::new(retention),
+            reservations: Reservations::new(retention.consumer),
+            subscriber_retention: retention.subscriber,
+            purge_hold: Mutex::new(None),
         })
     }
 
@@ -266,13 +273,29 @@ impl Hub {
         drop(inner);
     }
 
+    /// Removes a subscriber that disconnected, keeping its last ack in the
+    /// purge floor for the subscriber retention (it may be reconnecting).
     pub fn unsubscribe(&self, sub: &Arc<Subscriber>) {
+        self.leave(sub, true);
+    }
+
+    /// Removes a consumer whose own [`crate::reservations::Reservation`]
+    /// holds its position.
+    pub fn unsubscribe_reserved(&self, sub: &Arc<Subscriber>) {
+        self.leave(sub, false);
+    }
+
+    fn leave(&self, sub: &Arc<Subscriber>, keep_position: bool) {
         let mut inner = self.lock();
-        inner.forwarder.remove(sub);
+        let served = inner.forwarder.remove(sub);
         let count = inner.forwarder.len();
         self.status.update(|s| s.subscribers = count);
         drop(inner);
         sub.close(None);
+        if served && keep_position {
+            let holder = format!("subscriber {}", sub.id);
+            self.reservations.keep_released(&holder, &sub.acked(), self.subscriber_retention);
+        }
     }
 
     /// Every connected subscriber, as `/status` lists it.
@@ -288,8 +311,31 @@ impl Hub {
     /// The lowest ack among connected subscribers and reserved positions,
     /// if there are any.
     pub fn min_ack(&self) -> Option<Arc<str>> {
-        let acked = self.lock().forwarder.subscribers().map(|s| s.acked()).min();
+        let inner = self.lock();
+        // Subscribers held until the log is final count too: they start at
+        // their ack once served.
+        let held = match &inner.storer {
+            StorerSlot::Stopping(waiting) | StorerSlot::Unclaimed(waiting) => waiting.as_slice(),
+            StorerSlot::Idle | StorerSlot::Running(_) => &[],
+        };
+        let acked = inner.forwarder.subscribers().chain(held.iter().map(|(s, _)| s)).map(|s| s.acked()).min();
+        drop(inner);
         acked.into_iter().chain(self.reservations.floor()).min()
+    }
+
+    /// This process serves a lineage an earlier process (or another host)
+    /// served: that one's subscribers may be reconnecting, and their acks
+    /// went with it, so nothing is purged for the subscriber retention from
+    /// the first call.
+    pub fn inherited_log(&self) {
+        let mut hold = self.purge_hold.lock().unwrap_or_else(|e| e.into_inner());
+        hold.get_or_insert_with(|| Instant::now() + self.subscriber_retention);
+    }
+
+    /// Whether purges wait for an earlier process's subscribers.
+    pub fn holding_for_returning_subscribers(&self) -> bool {
+        let hold = *self.purge_hold.lock().unwrap_or_else(|e| e.into_inner());
+        hold.is_some_and(|until| Instant::now() < until)
     }
 
     pub fn check_laggards(&self, grace: Option<Duration>) {
@@ -345,6 +391,26 @@ mod tests {
     fn hub() -> (Arc<Hub>, Arc<Status>) {
         let status = Arc::new(Status::default());
         (Hub::new(log_with_one_transaction().reader(), status.clone()), status)
+    }
+
+    #[test]
+    fn an_inherited_log_is_not_purged_while_its_subscribers_may_return() {
+        use crate::cleanup::{purge_once, CleanupOptions};
+        let retention = Retention { subscriber: Duration::from_millis(300), ..Retention::default() };
+        let reader = log_with_one_transaction().reader();
+        let hub = Hub::with_options(reader, Arc::default(), retention, CatchupOptions::default(), Arc::default());
+        hub.set_replica_version(Some("00"));
+        hub.inherited_log();
+        assert!(hub.holding_for_returning_subscribers());
+        let (floor, deleted) = purge_once(&hub, &CleanupOptions::default()).unwrap();
+        assert_eq!((floor.as_deref(), deleted), (Some("00"), 0));
+        std::thread::sleep(Duration::from_millis(350));
+        // Once per process: a later call holds nothing.
+        hub.inherited_log();
+        assert!(!hub.holding_for_returning_subscribers());
+        let (floor, deleted) = purge_once(&hub, &CleanupOptions::default()).unwrap();
+        assert_eq!(floor.as_deref(), Some("01"));
+        assert!(deleted > 0, "the seed rows below 01 go");
     }
 
     fn subscriber(watermark: &str) -> (Arc<Subscriber>, Connection) {

@@ -7,6 +7,12 @@
 //! position (the initial sync's watermark, then its acks), and the
 //! reservation outlives the connection by the retention period, so a
 //! consumer that comes back within it finds the log where it left it.
+//!
+//! A change-streamer subscriber (a replica) that disconnects leaves its last
+//! ack here for a shorter while (`--subscriber-retention-secs`), so a purge
+//! that runs while it reconnects (after a dropped link or a restart) does
+//! not delete what it still needs and force it to sync again. Zero gets the
+//! same from purging 30 s after the backup watermark it purges to.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,6 +22,26 @@ use std::time::{Duration, Instant};
 /// How long a consumer's position is kept after it disconnects, unless
 /// configured otherwise.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(600);
+
+/// How long a disconnected subscriber's last ack is kept, unless configured
+/// otherwise: longer than a replica's reconnect backoff (Zero's is at most
+/// 10 s), as Zero's own purge delay is.
+pub const DEFAULT_SUBSCRIBER_RETENTION: Duration = Duration::from_secs(30);
+
+/// How long positions are held after their holders disconnect.
+#[derive(Debug, Clone, Copy)]
+pub struct Retention {
+    /// A zero-cache consumer of the custom upstream.
+    pub consumer: Duration,
+    /// A change-streamer subscriber.
+    pub subscriber: Duration,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Retention { consumer: DEFAULT_RETENTION, subscriber: DEFAULT_SUBSCRIBER_RETENTION }
+    }
+}
 
 pub struct Reservations {
     entries: Mutex<HashMap<u64, Entry>>,
@@ -28,6 +54,8 @@ struct Entry {
     holder: String,
     watermark: Arc<str>,
     released_at: Option<Instant>,
+    /// How long it is kept once released.
+    keep: Duration,
 }
 
 /// One connection's reservation; released (and kept for the retention
@@ -53,8 +81,30 @@ impl Reservations {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut entries = self.lock();
         entries.retain(|_, e| !(e.holder == holder && e.released_at.is_some() && *e.watermark <= *watermark));
-        entries.insert(id, Entry { holder: holder.to_string(), watermark: Arc::from(watermark), released_at: None });
+        let entry = Entry {
+            holder: holder.to_string(),
+            watermark: Arc::from(watermark),
+            released_at: None,
+            keep: self.retention,
+        };
+        entries.insert(id, entry);
         Reservation { owner: self.clone(), id }
+    }
+
+    /// Holds the log from `watermark` on for `keep` from now, for `holder`
+    /// that has just disconnected.
+    pub fn keep_released(&self, holder: &str, watermark: &str, keep: Duration) {
+        if keep.is_zero() {
+            return;
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let entry = Entry {
+            holder: holder.to_string(),
+            watermark: Arc::from(watermark),
+            released_at: Some(Instant::now()),
+            keep,
+        };
+        self.lock().insert(id, entry);
     }
 
     /// The lowest reserved watermark, dropping reservations released longer
@@ -62,7 +112,7 @@ impl Reservations {
     pub fn floor(&self) -> Option<Arc<str>> {
         let now = Instant::now();
         let mut entries = self.lock();
-        entries.retain(|_, e| e.released_at.is_none_or(|at| now.duration_since(at) < self.retention));
+        entries.retain(|_, e| e.released_at.is_none_or(|at| now.duration_since(at) < e.keep));
         entries.values().map(|e| e.watermark.clone()).min()
     }
 
@@ -130,5 +180,18 @@ mod tests {
         drop(r.reserve("other-lower", "01"));
         assert_eq!(r.floor().as_deref(), Some("01"));
         drop(again);
+    }
+
+    #[test]
+    fn a_departed_subscribers_position_is_kept_for_its_own_while() {
+        let r = Reservations::new(Duration::from_secs(60));
+        let held = r.reserve("zc", "05");
+        r.keep_released("subscriber a", "03", Duration::from_millis(200));
+        r.keep_released("subscriber b", "02", Duration::ZERO);
+        assert_eq!(r.floor().as_deref(), Some("03"));
+        assert_eq!(r.list(), [("subscriber a".into(), "03".into(), false), ("zc".into(), "05".into(), true)]);
+        std::thread::sleep(Duration::from_millis(250));
+        assert_eq!(r.floor().as_deref(), Some("05"));
+        drop(held);
     }
 }

@@ -41,12 +41,15 @@ impl Host {
             .arg("run")
             .args(&self.args)
             .args(extra)
-            // Purge every second, but keep the newest 2,000 transactions: the
-            // purge floor counts connected subscribers only, so without a
-            // retention window a subscriber that is between connections (or
-            // on a host that just lost ownership) can fall below it and get
-            // WatermarkTooOld, which is correct but not what this checks.
+            // Purge every second. A subscriber between connections holds
+            // the floor for 3 s (and nothing is purged for 3 s after a start
+            // on an existing log), so purges run between the kills; the
+            // newest 2,000 transactions are kept too, for a subscriber on a
+            // host that just lost ownership, which no floor of this host
+            // counts (it would get WatermarkTooOld, which is correct but not
+            // what this checks).
             .args(["--listen", &self.addr, "--purge-interval-secs", "1", "--retain-transactions", "2000"])
+            .args(["--subscriber-retention-secs", "3"])
             .env("RUST_LOG", "sluice=info")
             .stdout(Stdio::null())
             .stderr(log)

@@ -171,7 +171,8 @@ impl Subscribers {
             }
             assert!(
                 Instant::now() < deadline,
-                "subscribers did not reach {w}; host logs:\n{}",
+                "subscribers did not reach {w} ({}); host logs:\n{}",
+                self.progress(),
                 hosts.iter().map(|h| h.log_tail()).collect::<Vec<_>>().join("\n----\n")
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -189,9 +190,31 @@ impl Subscribers {
             if done {
                 return;
             }
-            assert!(Instant::now() < deadline, "subscribers did not receive {rows} rows; log:\n{}", host.log_tail());
+            assert!(
+                Instant::now() < deadline,
+                "subscribers did not receive {rows} rows ({}); log:\n{}",
+                self.progress(),
+                host.log_tail()
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Where each subscriber is, and the last problems it saw, for a
+    /// failed wait's message.
+    fn progress(&self) -> String {
+        let each = self.seen.iter().enumerate().map(|(i, s)| {
+            let s = s.lock().unwrap();
+            let rows: usize = s.commits.iter().map(|(_, ids)| ids.len()).sum();
+            let recent: Vec<&String> = s.problems.iter().rev().take(3).collect();
+            format!(
+                "subscriber {i}: {rows} rows, last commit {:?}, {} connections, {} problems, latest {recent:?}",
+                s.last(),
+                s.connections,
+                s.problems.len()
+            )
+        });
+        each.collect::<Vec<_>>().join("; ")
     }
 
     pub async fn stop(self) -> Vec<Arc<Mutex<Seen>>> {

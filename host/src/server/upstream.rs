@@ -137,7 +137,7 @@ async fn serve(socket: WebSocket, request: StreamRequest, app: AppState) {
         Subscriber::new(consumer.clone(), consumer.clone(), Mode::Serving, MAX_PROTOCOL, start, app.subscriber_limits);
     app.hub.subscribe(sub.clone(), &lineage);
     let reason = pump(tx, rx, &sub, conn, &reservation, app.ping_interval, app.shutdown.clone()).await;
-    app.hub.unsubscribe(&sub);
+    app.hub.unsubscribe_reserved(&sub);
     tracing::info!(%consumer, acked = %sub.acked(), "upstream consumer disconnected: {reason}");
 }
 

@@ -96,7 +96,10 @@ impl Service {
             },
             filters,
             zero_permissions,
-            consumer_retention: Duration::from_secs(settings.consumer_retention_secs),
+            retention: crate::reservations::Retention {
+                consumer: Duration::from_secs(settings.consumer_retention_secs),
+                subscriber: Duration::from_secs(settings.subscriber_retention_secs),
+            },
             log_progress: true,
             access,
             endpoint_tls,

@@ -53,9 +53,9 @@ pub struct ServiceConfig {
     /// The permissions row Sluice serves to a zero-cache whose upstream
     /// lacks Zero's tables (`None`: NULL permissions).
     pub zero_permissions: Option<crate::server::zero_tables::Permissions>,
-    /// How long a disconnected consumer's position is held (see
-    /// `crate::reservations`).
-    pub consumer_retention: Duration,
+    /// How long a disconnected consumer's or subscriber's position is held
+    /// (see `crate::reservations`).
+    pub retention: crate::reservations::Retention,
     /// How catch-ups share reading the log.
     pub catchup: crate::catchup::CatchupOptions,
     /// One line of progress every 10 s while transactions are stored.
@@ -91,7 +91,7 @@ impl ServiceConfig {
             endpoint_tls: None,
             ready_backoff: Duration::from_secs(30),
             plugins: None,
-            consumer_retention: crate::reservations::DEFAULT_RETENTION,
+            retention: crate::reservations::Retention::default(),
             catchup: crate::catchup::CatchupOptions::default(),
             log_progress: false,
         }
@@ -156,7 +156,7 @@ impl Service {
         let hub = Hub::with_options(
             config.reader,
             status.clone(),
-            config.consumer_retention,
+            config.retention,
             config.catchup,
             config.subscriber_limits.budget.clone(),
         );

@@ -157,6 +157,11 @@ pub struct Settings {
     /// resume after a restart; later it must sync again.
     #[arg(long, default_value_t = 600, env = "SLUICE_CONSUMER_RETENTION_SECS")]
     pub consumer_retention_secs: u64,
+    /// Seconds a change-streamer subscriber's last ack still holds the change
+    /// log after it disconnects, so a replica reconnecting after a dropped
+    /// link or a restart resumes instead of finding its position purged.
+    #[arg(long, default_value_t = 30, env = "SLUICE_SUBSCRIBER_RETENTION_SECS")]
+    pub subscriber_retention_secs: u64,
     /// SQLite durability: `full` (default; commits survive power loss) or
     /// `normal` (commits survive a crash of Sluice, not of the machine).
     #[arg(long, value_enum, default_value = "full", env = "SLUICE_SYNC")]

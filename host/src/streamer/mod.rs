@@ -159,6 +159,7 @@ impl Streamer {
         // A log whose snapshot never became durable (written by an older
         // Sluice) promises nothing: its lineage may yet be abandoned.
         if let Ok(Some(state)) = self.with_log(|log| log.state()).map(|s| s.filter(|s| s.established())) {
+            self.hub.inherited_log();
             self.hub.set_replica_version(Some(&state.replica_version));
             self.status.update(|s| {
                 s.replica_version = Some(state.replica_version.clone());
