@@ -221,6 +221,14 @@ fn mock_sluice(addr: &str, db: &Path, config: &serde_json::Value) -> std::proces
     command
 }
 
+/// Where a fan-out run's `sluice` logs: appended to the file
+/// `SLUICE_BENCH_SERVER_LOG` names, or nowhere.
+fn server_log() -> anyhow::Result<std::process::Stdio> {
+    let Some(path) = std::env::var_os("SLUICE_BENCH_SERVER_LOG") else { return Ok(std::process::Stdio::null()) };
+    let file = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
+    Ok(file.into())
+}
+
 /// `GET /status` of a running `sluice` process, as JSON.
 async fn http_status(addr: &str) -> anyhow::Result<serde_json::Value> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -511,7 +519,7 @@ async fn fanout_over(
                 .unwrap_or_default(),
         )
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(server_log()?)
         .spawn()?;
     // Wait for the endpoint.
     let started = Instant::now();

@@ -193,6 +193,9 @@ impl Hub {
     pub fn publish(&self, storer: &Storer, watermark: &Arc<str>, change: Change) {
         let mut inner = self.lock();
         storer.store(watermark, &change);
+        if !inner.forwarder.is_empty() {
+            self.budget.forwarding(&change.json);
+        }
         // Always forward, even to nobody: the forwarder tracks transaction
         // boundaries for subscribers that join later.
         inner.forwarder.forward(&Arc::new(Entry { watermark: watermark.clone(), change }));
@@ -206,7 +209,11 @@ impl Hub {
     /// Forwards without storing (the synthetic rollback of an interrupted
     /// transaction).
     pub fn forward_only(&self, watermark: &Arc<str>, change: Change) {
-        self.lock().forwarder.forward(&Arc::new(Entry { watermark: watermark.clone(), change }));
+        let mut inner = self.lock();
+        if !inner.forwarder.is_empty() {
+            self.budget.forwarding(&change.json);
+        }
+        inner.forwarder.forward(&Arc::new(Entry { watermark: watermark.clone(), change }));
     }
 
     /// Adds a subscriber: checks its replica version, then starts its
@@ -350,6 +357,7 @@ impl Hub {
     /// the most, each above its share, until the rest fit. (Subscribers are
     /// also closed as they receive more; this catches those that do not.)
     pub fn enforce_budget(&self) {
+        self.budget.release_consumed();
         let Some(mut excess) = self.budget.used().checked_sub(self.budget.view().budget_bytes) else { return };
         let mut subscribers: Vec<(usize, Arc<Subscriber>)> =
             self.lock().forwarder.subscribers().map(|s| (s.held(), s.clone())).collect();

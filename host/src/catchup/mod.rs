@@ -260,7 +260,7 @@ mod tests {
         let mut rows = 0;
         loop {
             let frame = tokio::time::timeout(Duration::from_secs(20), conn.frames.recv()).await;
-            let Ok(Some(Frame::Message { json, commit })) = frame else { panic!("{}: no frame in time", sub.id) };
+            let Ok(Some(Frame::Message { json, commit, .. })) = frame else { panic!("{}: no frame in time", sub.id) };
             sub.consumed(json.len(), commit.as_ref());
             if json.starts_with("[\"data\"") {
                 rows += 1;

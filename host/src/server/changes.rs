@@ -146,7 +146,7 @@ async fn refuse<S: Io>(mut socket: Socket<S>, message: &str) {
         let error = serde_json::json!(["error", {"type": ErrorType::Unknown as u8, "message": message}]).to_string();
         socket.queue_text(&[b"{\"id\":1,\"msg\":", error.as_bytes(), b"}"]);
     }
-    socket.close(PROTOCOL_ERROR, &elide(&reason, 123)).await;
+    socket.close_in_background(PROTOCOL_ERROR, &elide(&reason, 123));
 }
 
 impl<S: Io> crate::subscriber::sending::Outgoing for Socket<S> {
@@ -159,8 +159,8 @@ impl<S: Io> crate::subscriber::sending::Outgoing for Socket<S> {
 }
 
 /// The byte stream under a subscriber's WebSocket.
-pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
-impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static> Io for T {}
 
 async fn serve<S: Io>(socket: Socket<S>, ctx: SubscriberContext, app: AppState) {
     // A filter chain that cannot be built refuses the subscription before
@@ -330,7 +330,7 @@ async fn pump<S: Io>(
                     Ending::Not => {}
                     Ending::AfterError => {
                         // The error message was acknowledged.
-                        socket.close(1000, "").await;
+                        socket.close_in_background(1000, "");
                         return "closed after sending an error".into();
                     }
                     Ending::Peer => {
@@ -340,7 +340,7 @@ async fn pump<S: Io>(
                     }
                     Ending::Refused(e) => return close_with_error_on(socket, e).await,
                     Ending::Protocol(why) => {
-                        socket.close(PROTOCOL_ERROR, why).await;
+                        socket.close_in_background(PROTOCOL_ERROR, why);
                         return format!("connection error: {why}");
                     }
                     Ending::Lost(e) => return e,
@@ -367,7 +367,7 @@ async fn pump<S: Io>(
                     return e;
                 }
                 if closing {
-                    socket.close(1000, "").await;
+                    socket.close_in_background(1000, "");
                     return "closed by the server".into();
                 }
                 // Nothing more came while writing: what a batch grew goes back.
@@ -381,9 +381,9 @@ async fn pump<S: Io>(
 
 /// Ends a subscriber's connection for `message` (a close with 1011);
 /// returns the message.
-async fn close_with_error_on<S: Io>(mut socket: Socket<S>, message: String) -> String {
+async fn close_with_error_on<S: Io>(socket: Socket<S>, message: String) -> String {
     tracing::warn!("closing subscriber connection: {message}");
-    socket.close(1011, &elide(&format!("Error: {message}"), 123)).await;
+    socket.close_in_background(1011, &elide(&format!("Error: {message}"), 123));
     message
 }
 

@@ -200,8 +200,7 @@ impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> Socket<S> {
     /// answering close) is read and dropped until it closes too, for up to
     /// two seconds. Dropped with unread data, a socket is reset by the
     /// kernel, and a reset discards what was still unsent: the close frame
-    /// among it. (Other closes do not wait: a subscriber closed for its
-    /// limits is unregistered, and its memory released, at once.)
+    /// among it.
     pub async fn close_gracefully(&mut self, code: u16, reason: &str) {
         self.close(code, reason).await;
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), async {
@@ -214,6 +213,19 @@ impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> Socket<S> {
             }
         })
         .await;
+    }
+
+    /// [`Socket::close_gracefully`] in a task of its own: the peer reads
+    /// the close frame (and, over TLS, `close_notify`) instead of a reset,
+    /// while the connection's owner moves on at once (unregisters the
+    /// subscriber and frees what it held).
+    pub fn close_in_background(mut self, code: u16, reason: &str)
+    where
+        S: Send + 'static,
+    {
+        self.shrink();
+        let reason = reason.to_string();
+        tokio::spawn(async move { self.close_gracefully(code, &reason).await });
     }
 
     /// Writes what is queued (the answer to a peer's close, say) as the

@@ -43,6 +43,15 @@ fn queued_cost(json_len: usize) -> usize {
     json_len + MESSAGE_OVERHEAD
 }
 
+/// Of [`queued_cost`], what the subscriber counts against the memory budget
+/// itself: a live change's JSON the budget counts once for everyone.
+fn own_cost(frame: &Frame) -> usize {
+    match frame {
+        Frame::Message { live: true, .. } => MESSAGE_OVERHEAD,
+        other => queued_cost(other.json_len()),
+    }
+}
+
 /// Zero's error types for subscribers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -65,8 +74,9 @@ pub struct Entry {
 #[derive(Debug)]
 pub enum Frame {
     /// A message (already JSON). `commit` is set for commits, whose
-    /// consumption advances the subscriber's ack.
-    Message { json: Arc<str>, commit: Option<Arc<str>> },
+    /// consumption advances the subscriber's ack. `live`: a change from the
+    /// forwarder, whose JSON the memory budget counts once for everyone.
+    Message { json: Arc<str>, commit: Option<Arc<str>>, live: bool },
     /// Send this error message, then close once it is consumed.
     Error(String),
     /// Close now, without an error (the peer reconnects and retries).
@@ -129,8 +139,12 @@ pub struct Subscriber {
     close_signal: Signal,
     /// Messages handed to the connection so far.
     enqueued: AtomicU64,
-    /// What this subscriber counts against the memory budget.
+    /// What Sluice holds for this subscriber (its share of the memory
+    /// budget is measured in this).
     held: AtomicUsize,
+    /// Of `held`, what it counts against the budget itself (not the live
+    /// changes' JSON, which the budget counts once).
+    charged: AtomicUsize,
     /// Bytes of messages it has acknowledged so far.
     acked_bytes: AtomicUsize,
     /// Closed: it takes nothing more. Set under the state lock, read
@@ -217,6 +231,7 @@ impl Subscriber {
             close_signal: Signal::default(),
             enqueued: AtomicU64::new(0),
             held: AtomicUsize::new(0),
+            charged: AtomicUsize::new(0),
             acked_bytes: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
         };
@@ -263,7 +278,8 @@ impl Subscriber {
         if let Some(backlog) = st.backlog.as_mut() {
             backlog.push_back(entry.clone());
             st.backlog_bytes += entry.change.json.len();
-            self.charge(entry.change.json.len());
+            // Live JSON: the budget counts it once for everyone.
+            self.charge(entry.change.json.len(), 0);
             if !self.is_closed() && self.over_share(&st) {
                 self.close_over_budget(&mut st);
             } else if st.backlog_bytes > self.limits.backlog_bytes {
@@ -334,34 +350,39 @@ impl Subscriber {
         self.held.load(Ordering::Acquire)
     }
 
-    fn charge(&self, bytes: usize) {
-        self.held.fetch_add(bytes, Ordering::AcqRel);
-        self.limits.budget.charge(bytes);
+    /// Holds `held` more bytes, `charged` of them counted against the budget
+    /// by this subscriber.
+    fn charge(&self, held: usize, charged: usize) {
+        self.held.fetch_add(held, Ordering::AcqRel);
+        self.charged.fetch_add(charged, Ordering::AcqRel);
+        self.limits.budget.charge(charged);
     }
 
-    fn release(&self, bytes: usize) {
-        let before = self.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| Some(h.saturating_sub(bytes)));
-        let before = before.unwrap_or_else(|h| h);
-        self.limits.budget.release(bytes.min(before));
+    fn release(&self, held: usize, charged: usize) {
+        let _ = self.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |h| Some(h.saturating_sub(held)));
+        let before =
+            self.charged.fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| Some(c.saturating_sub(charged)));
+        self.limits.budget.release(charged.min(before.unwrap_or_else(|c| c)));
     }
 
     /// The connection is writing `bytes` of frames to the socket: they are
     /// held (as frames and in the WebSocket's buffer) until the write is
     /// flushed, which takes as long as the peer takes to read them.
     pub fn writing(&self, bytes: usize) {
-        self.charge(bytes);
+        self.charge(bytes, bytes);
     }
 
     /// The write of [`Subscriber::writing`] is done (or given up).
     pub fn written(&self, bytes: usize) {
-        self.release(bytes);
+        self.release(bytes, bytes);
     }
 
     /// The connection took messages of `json_bytes` off its queue (one
-    /// call per batch): their JSON is no longer held for this subscriber
-    /// (their bookkeeping is, until acknowledged).
-    pub fn taken(&self, json_bytes: usize) {
-        self.release(json_bytes);
+    /// call per batch), `own_json_bytes` of them not live changes' (which
+    /// the budget counts apart): their JSON is no longer held for this
+    /// subscriber (their bookkeeping is, until acknowledged).
+    pub fn taken(&self, json_bytes: usize, own_json_bytes: usize) {
+        self.release(json_bytes, own_json_bytes);
     }
 
     /// A change read from the change log during catch-up.
@@ -379,7 +400,7 @@ impl Subscriber {
         // Queued (and counted) as one batch; sized for all rows, since
         // `filter_map` gives `collect` no size to start from.
         let mut frames = Vec::with_capacity(entries.len());
-        frames.extend(entries.iter().filter_map(|entry| self.frame_for(&mut st, entry)));
+        frames.extend(entries.iter().filter_map(|entry| self.frame_for(&mut st, entry, false)));
         self.push_many(&mut st, frames);
     }
 
@@ -391,7 +412,7 @@ impl Subscriber {
         }
         self.initialize(&mut st);
         if let Some(backlog) = st.backlog.take() {
-            self.release(st.backlog_bytes);
+            self.release(st.backlog_bytes, 0);
             st.backlog_bytes = 0;
             for entry in &backlog {
                 self.send_change(&mut st, entry);
@@ -403,19 +424,20 @@ impl Subscriber {
         if !st.initialized {
             st.initialized = true;
             let status = Arc::from("[\"status\",{\"tag\":\"status\"}]");
-            self.push(st, Frame::Message { json: status, commit: None });
+            self.push(st, Frame::Message { json: status, commit: None, live: false });
         }
     }
 
+    /// A live change (from the forwarder, or the backlog kept while catching up).
     fn send_change(&self, st: &mut State, entry: &Entry) {
-        if let Some(frame) = self.frame_for(st, entry) {
+        if let Some(frame) = self.frame_for(st, entry, true) {
             self.push(st, frame);
         }
     }
 
     /// The message `entry` is for this subscriber, unless it was sent
     /// already (or its protocol has no such message).
-    fn frame_for(&self, st: &mut State, entry: &Entry) -> Option<Frame> {
+    fn frame_for(&self, st: &mut State, entry: &Entry, live: bool) -> Option<Frame> {
         if *entry.watermark <= *st.watermark {
             return None;
         }
@@ -428,12 +450,12 @@ impl Subscriber {
         } else {
             None
         };
-        Some(Frame::Message { json: entry.change.json.clone(), commit })
+        Some(Frame::Message { json: entry.change.json.clone(), commit, live })
     }
 
     fn push(&self, st: &mut State, frame: Frame) {
-        let cost = queued_cost(frame.json_len());
-        self.queue(st, 1, cost, |out| out.send(frame));
+        let (cost, own) = (queued_cost(frame.json_len()), own_cost(&frame));
+        self.queue(st, 1, cost, own, |out| out.send(frame));
     }
 
     fn push_many(&self, st: &mut State, frames: Vec<Frame>) {
@@ -441,19 +463,22 @@ impl Subscriber {
             return;
         }
         let cost = frames.iter().map(|f| queued_cost(f.json_len())).sum();
-        self.queue(st, frames.len() as u64, cost, |out| out.send_many(frames));
+        let own = frames.iter().map(own_cost).sum();
+        self.queue(st, frames.len() as u64, cost, own, |out| out.send_many(frames));
     }
 
-    /// Counts `messages` costing `cost` as queued, and queues them.
+    /// Counts `messages` costing `cost` as queued (`own` of it against the
+    /// budget: see [`own_cost`]), and queues them.
     fn queue(
         &self,
         st: &mut State,
         messages: u64,
         cost: usize,
+        own: usize,
         send: impl FnOnce(&FrameSender) -> Result<(), queue::Gone>,
     ) {
         let pending = self.pending_bytes.fetch_add(cost, Ordering::AcqRel) + cost;
-        self.charge(cost);
+        self.charge(cost, own);
         self.enqueued.fetch_add(messages, Ordering::AcqRel);
         if send(&self.out).is_err() {
             self.closed.store(true, Ordering::Release);
@@ -482,7 +507,7 @@ impl Subscriber {
         let cost = bytes + messages as usize * MESSAGE_OVERHEAD;
         self.acked_bytes.fetch_add(bytes, Ordering::AcqRel);
         let _ = self.pending_bytes.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| Some(p.saturating_sub(cost)));
-        self.release(messages as usize * MESSAGE_OVERHEAD);
+        self.release(messages as usize * MESSAGE_OVERHEAD, messages as usize * MESSAGE_OVERHEAD);
         if let Some(w) = commit {
             let mut st = self.lock();
             if **w > *st.acked {
@@ -548,7 +573,7 @@ impl Subscriber {
         // It takes nothing more and its connection ends soon: what it holds
         // no longer counts against the budget, so the budget stops pressing
         // on the others at once.
-        self.release(self.held());
+        self.release(self.held(), self.charged.load(Ordering::Acquire));
         let frame = match error {
             Some((kind, message)) => {
                 let mut json = format!("[\"error\",{{\"type\":{},\"message\":", kind as u8);
@@ -634,7 +659,7 @@ impl Subscriber {
 impl Drop for Subscriber {
     fn drop(&mut self) {
         // Whatever is still queued goes with the connection.
-        self.limits.budget.release(self.held());
+        self.limits.budget.release(self.charged.load(Ordering::Acquire));
         self.limits.budget.left();
     }
 }
@@ -736,6 +761,7 @@ mod tests {
         let (mut i, mut most) = (10, 0);
         let live = |i: u32| {
             for e in [begin(&format!("{i:03}")), commit(&format!("{i:03}"))] {
+                budget.forwarding(&e.change.json);
                 waiting.send(&e);
                 silent.send(&e);
             }
@@ -758,6 +784,53 @@ mod tests {
             assert!(i < 500, "the waiting one is bounded too");
         }
         assert!(most > 3 * share, "closed at {most} bytes, share {share}");
+    }
+
+    #[test]
+    fn a_live_changes_json_counts_once_however_many_subscribers_hold_it() {
+        let budget = Arc::new(MemoryBudget::new(1 << 30));
+        let limits = Limits { budget: budget.clone(), ..Limits::default() };
+        let mut subs: Vec<_> = (0..100)
+            .map(|i| Subscriber::new(format!("s{i}"), "t".into(), Mode::Serving, 6, "00".into(), limits.clone()))
+            .collect();
+        for (s, _) in &subs {
+            s.set_caught_up();
+        }
+        let mut json_bytes = 0;
+        for i in 1..=50 {
+            for e in [begin(&format!("{i:03}")), commit(&format!("{i:03}"))] {
+                budget.forwarding(&e.change.json);
+                json_bytes += e.change.json.len();
+                for (s, _) in &subs {
+                    s.send(&e);
+                }
+            }
+        }
+        let view = budget.view();
+        assert_eq!(view.shared_bytes, json_bytes, "one copy");
+        let status_cost = queued_cost("[\"status\",{\"tag\":\"status\"}]".len());
+        assert_eq!(
+            view.used_bytes - view.shared_bytes,
+            100 * (status_cost + 100 * MESSAGE_OVERHEAD),
+            "bookkeeping each"
+        );
+        let held: usize = subs.iter().map(|(s, _)| s.held()).sum();
+        assert!(held > 99 * json_bytes, "each still holds (and is measured by) all of it: {held}");
+        // While one queue holds the changes they stay counted.
+        for (_, c) in &mut subs[1..] {
+            drain(c);
+        }
+        budget.release_consumed();
+        assert_eq!(budget.view().shared_bytes, json_bytes);
+        // Closed with its queue full: the queue goes with its connection.
+        let (last, conn) = subs.swap_remove(0);
+        last.close(None);
+        drop(conn);
+        budget.release_consumed();
+        assert_eq!(budget.view().shared_bytes, 0);
+        drop(last);
+        drop(subs);
+        assert_eq!(budget.used(), 0, "nothing is left counted");
     }
 
     #[test]

@@ -146,7 +146,7 @@ mod tests {
     use std::time::Duration;
 
     fn message(json: &str) -> Frame {
-        Frame::Message { json: Arc::from(json), commit: None }
+        Frame::Message { json: Arc::from(json), commit: None, live: false }
     }
 
     fn text(frame: Option<Frame>) -> String {

@@ -103,8 +103,16 @@ impl Sending {
         batch_bytes: usize,
         out: &mut impl Outgoing,
     ) -> Batch {
-        let taken = frames.iter().flatten().filter(|f| matches!(f, Frame::Message { .. })).map(Frame::json_len);
-        self.sub.taken(taken.sum());
+        let (mut json_bytes, mut own_json_bytes) = (0, 0);
+        for frame in frames.iter().flatten() {
+            if let Frame::Message { json, live, .. } = frame {
+                json_bytes += json.len();
+                if !live {
+                    own_json_bytes += json.len();
+                }
+            }
+        }
+        self.sub.taken(json_bytes, own_json_bytes);
         if self.sub.is_closed() {
             // Closed (for its limits or the memory budget): what is still
             // queued would only delay the error message behind it; the peer
@@ -120,7 +128,7 @@ impl Sending {
         let mut ids = itoa::Buffer::new();
         for frame in frames {
             let (json, bytes, commit, last) = match frame {
-                Some(Frame::Message { json, commit }) => {
+                Some(Frame::Message { json, commit, .. }) => {
                     let n = json.len();
                     if self.filter.is_some() && crate::filter::is_data(&json) {
                         match outcomes.next() {
