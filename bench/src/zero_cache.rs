@@ -231,7 +231,13 @@ async fn write_live(up: &tokio_postgres::Client, next: &mut u64, secs: u64) -> a
 
 /// `secs` of live rows, measured like [`replica_latency`] but reported as
 /// a warm-up.
-async fn warm_up(what: &str, zc: &ZeroCache, up: &tokio_postgres::Client, next: &mut u64, secs: u64) -> anyhow::Result<()> {
+async fn warm_up(
+    what: &str,
+    zc: &ZeroCache,
+    up: &tokio_postgres::Client,
+    next: &mut u64,
+    secs: u64,
+) -> anyhow::Result<()> {
     if secs > 0 {
         replica_latency(&format!("{what} (warm-up, not counted)"), zc, up, next, secs).await?;
     }
