@@ -683,6 +683,14 @@ async fn metrics_parse_as_prometheus_text() {
     assert_eq!(positions.len(), 1, "{status}");
     assert_eq!(positions[0]["id"], "s");
     assert!(status["purge"]["logBytes"].as_u64().unwrap() > 0, "{status}");
+    // A new lineage: no earlier process's subscribers to wait for.
+    assert_eq!(status["purge"]["waitingForReturningSubscribers"], false, "{status}");
+    // The shared part of the budget is a part of it.
+    let memory = scrape();
+    assert!(
+        value(&memory, "sluice_subscriber_memory_shared_bytes", None)
+            <= value(&memory, "sluice_subscriber_memory_bytes", None)
+    );
     // The source keeps storing (200 tx/s): the counter grows between scrapes.
     let before = value(&first, "sluice_transactions_stored_total", None);
     let deadline = Instant::now() + WAIT;

@@ -89,13 +89,14 @@ pub async fn run(hub: Arc<Hub>, status: Arc<Status>, options: CleanupOptions, mu
             _ = purge.tick() => {
                 let (h, o) = (hub.clone(), options.clone());
                 let pass = tokio::task::spawn_blocking(move || {
+                    let waiting = h.holding_for_returning_subscribers();
                     let purged = purge_once(&h, &o)?;
                     // The size is for `/status` and `/metrics`; not knowing it is no failure.
                     let size = h.reader().size_bytes().unwrap_or(None);
-                    Ok::<_, anyhow::Error>((purged, h.reader().bounds()?, size))
+                    Ok::<_, anyhow::Error>((purged, h.reader().bounds()?, size, waiting))
                 });
                 match pass.await {
-                    Ok(Ok(((floor, deleted), bounds, log_bytes))) => {
+                    Ok(Ok(((floor, deleted), bounds, log_bytes, waiting))) => {
                         if deleted > 0 {
                             tracing::info!(floor = floor.as_deref().unwrap_or("-"), deleted, "purged the change log");
                         }
@@ -105,6 +106,7 @@ pub async fn run(hub: Arc<Hub>, status: Arc<Status>, options: CleanupOptions, mu
                             report.floor = floor;
                             report.deleted_rows += deleted;
                             report.log_bytes = log_bytes;
+                            report.waiting_for_returning_subscribers = waiting;
                         });
                     }
                     Ok(Err(e)) => tracing::warn!("purging the change log failed (retrying next pass): {e:#}"),

@@ -230,6 +230,13 @@ impl prometheus_client::collector::Collector for StatusCollector {
             Some(&Unit::Bytes),
             budget.used_bytes as f64,
         )?;
+        gauge_value(
+            &mut encoder,
+            "subscriber_memory_shared",
+            "Of the memory held for subscribers, the live changes' JSON their queues share (counted once)",
+            Some(&Unit::Bytes),
+            budget.shared_bytes as f64,
+        )?;
         counter_value(
             &mut encoder,
             "subscribers_closed_by_budget",

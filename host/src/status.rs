@@ -162,6 +162,10 @@ pub struct PurgeReport {
     pub deleted_rows: u64,
     /// `None` where the store cannot tell.
     pub log_bytes: Option<u64>,
+    /// The pass deleted nothing because this process started on an
+    /// existing log less than `--subscriber-retention-secs` ago: the
+    /// previous process's subscribers may still be reconnecting.
+    pub waiting_for_returning_subscribers: bool,
 }
 
 /// Where the time goes: cumulative nanoseconds per stage of the pipeline.
