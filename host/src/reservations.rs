@@ -44,9 +44,17 @@ impl Default for Retention {
 }
 
 pub struct Reservations {
-    entries: Mutex<HashMap<u64, Entry>>,
+    table: Mutex<Table>,
     next_id: AtomicU64,
     retention: Duration,
+}
+
+#[derive(Default)]
+struct Table {
+    entries: HashMap<u64, Entry>,
+    /// The entry each departed subscriber keeps: one per subscriber, its
+    /// latest position, however often it reconnects.
+    departed: HashMap<String, u64>,
 }
 
 struct Entry {
@@ -67,11 +75,11 @@ pub struct Reservation {
 
 impl Reservations {
     pub fn new(retention: Duration) -> Arc<Reservations> {
-        Arc::new(Reservations { entries: Mutex::default(), next_id: AtomicU64::new(0), retention })
+        Arc::new(Reservations { table: Mutex::default(), next_id: AtomicU64::new(0), retention })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Entry>> {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Holds the log from `watermark` on for `holder`. Released
@@ -79,7 +87,8 @@ impl Reservations {
     /// superseded: the holder came back and holds its position again.
     pub fn reserve(self: &Arc<Self>, holder: &str, watermark: &str) -> Reservation {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut entries = self.lock();
+        let mut table = self.lock();
+        let entries = &mut table.entries;
         entries.retain(|_, e| !(e.holder == holder && e.released_at.is_some() && *e.watermark <= *watermark));
         let entry = Entry {
             holder: holder.to_string(),
@@ -92,27 +101,38 @@ impl Reservations {
     }
 
     /// Holds the log from `watermark` on for `keep` from now, for `holder`
-    /// that has just disconnected.
+    /// that has just disconnected (in place of what it kept when it last
+    /// disconnected: it came back since, and left from `watermark`).
     pub fn keep_released(&self, holder: &str, watermark: &str, keep: Duration) {
         if keep.is_zero() {
             return;
         }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut table = self.lock();
+        let id = match table.departed.get(holder) {
+            Some(id) if table.entries.contains_key(id) => *id,
+            _ => {
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                table.departed.insert(holder.to_string(), id);
+                id
+            }
+        };
         let entry = Entry {
             holder: holder.to_string(),
             watermark: Arc::from(watermark),
             released_at: Some(Instant::now()),
             keep,
         };
-        self.lock().insert(id, entry);
+        table.entries.insert(id, entry);
     }
 
     /// The lowest reserved watermark, dropping reservations released longer
     /// than the retention period ago.
     pub fn floor(&self) -> Option<Arc<str>> {
         let now = Instant::now();
-        let mut entries = self.lock();
+        let mut table = self.lock();
+        let Table { entries, departed } = &mut *table;
         entries.retain(|_, e| e.released_at.is_none_or(|at| now.duration_since(at) < e.keep));
+        departed.retain(|_, id| entries.contains_key(id));
         entries.values().map(|e| e.watermark.clone()).min()
     }
 
@@ -121,6 +141,7 @@ impl Reservations {
         let _ = self.floor();
         let mut out: Vec<_> = self
             .lock()
+            .entries
             .values()
             .map(|e| (e.holder.clone(), e.watermark.to_string(), e.released_at.is_none()))
             .collect();
@@ -132,7 +153,7 @@ impl Reservations {
 impl Reservation {
     /// The holder has what precedes `watermark` durably: hold from there.
     pub fn advance(&self, watermark: &str) {
-        if let Some(e) = self.owner.lock().get_mut(&self.id) {
+        if let Some(e) = self.owner.lock().entries.get_mut(&self.id) {
             if *e.watermark < *watermark {
                 e.watermark = Arc::from(watermark);
             }
@@ -142,7 +163,7 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if let Some(e) = self.owner.lock().get_mut(&self.id) {
+        if let Some(e) = self.owner.lock().entries.get_mut(&self.id) {
             e.released_at = Some(Instant::now());
         }
     }
@@ -193,5 +214,19 @@ mod tests {
         std::thread::sleep(Duration::from_millis(250));
         assert_eq!(r.floor().as_deref(), Some("05"));
         drop(held);
+    }
+
+    #[test]
+    fn a_subscriber_that_keeps_reconnecting_keeps_one_position_its_latest() {
+        let r = Reservations::new(Duration::from_secs(60));
+        for w in ["03", "04", "06"] {
+            r.keep_released("subscriber a", w, Duration::from_secs(30));
+        }
+        r.keep_released("subscriber b", "05", Duration::from_secs(30));
+        assert_eq!(
+            r.list(),
+            [("subscriber a".into(), "06".into(), false), ("subscriber b".into(), "05".into(), false)]
+        );
+        assert_eq!(r.floor().as_deref(), Some("05"));
     }
 }
