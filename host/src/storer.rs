@@ -27,8 +27,7 @@ pub struct StorerOptions {
     /// Bytes that may wait in the queue before the loop stops pulling from
     /// the source.
     pub queue_budget: usize,
-    /// Rows buffered before they are inserted, at most (the log's own
-    /// [`crate::storage::ChangeLog::append_batch_rows`] applies too).
+    /// Rows buffered before they are inserted.
     pub batch_rows: usize,
     /// Upper bounds for one storage transaction made of several upstream ones.
     pub group_bytes: usize,
@@ -37,7 +36,7 @@ pub struct StorerOptions {
 
 impl Default for StorerOptions {
     fn default() -> Self {
-        StorerOptions { queue_budget: 32 << 20, batch_rows: usize::MAX, group_bytes: 8 << 20, group_transactions: 1000 }
+        StorerOptions { queue_budget: 32 << 20, batch_rows: 2000, group_bytes: 8 << 20, group_transactions: 1000 }
     }
 }
 
@@ -436,8 +435,7 @@ impl Worker {
                 let row = PendingRow { watermark: tx.watermark.clone(), pos: tx.next_pos, change, precommit: None };
                 tx.next_pos += 1;
                 self.push_row(row);
-                let batch_rows = self.options.batch_rows.min(self.log.append_batch_rows());
-                if self.rows.len() >= batch_rows || self.rows_bytes >= self.options.group_bytes {
+                if self.rows.len() >= self.options.batch_rows || self.rows_bytes >= self.options.group_bytes {
                     self.flush_open_transaction()?;
                 }
             }
