@@ -146,7 +146,9 @@ async fn refuse<S: Io>(mut socket: Socket<S>, message: &str) {
         let error = serde_json::json!(["error", {"type": ErrorType::Unknown as u8, "message": message}]).to_string();
         socket.queue_text(&[b"{\"id\":1,\"msg\":", error.as_bytes(), b"}"]);
     }
-    socket.close_in_background(PROTOCOL_ERROR, &elide(&reason, 123));
+    // Awaited, not in the background: the connection's permit is held
+    // until the socket is gone.
+    socket.close_gracefully(PROTOCOL_ERROR, &elide(&reason, 123)).await;
 }
 
 impl<S: Io> crate::subscriber::sending::Outgoing for Socket<S> {
@@ -338,7 +340,7 @@ async fn pump<S: Io>(
                         socket.flush_before_end().await;
                         return "closed by the peer".into();
                     }
-                    Ending::Refused(e) => return close_with_error_on(socket, e).await,
+                    Ending::Refused(e) => return close_with_error_on(socket, e),
                     Ending::Protocol(why) => {
                         socket.close_in_background(PROTOCOL_ERROR, why);
                         return format!("connection error: {why}");
@@ -381,7 +383,7 @@ async fn pump<S: Io>(
 
 /// Ends a subscriber's connection for `message` (a close with 1011);
 /// returns the message.
-async fn close_with_error_on<S: Io>(socket: Socket<S>, message: String) -> String {
+fn close_with_error_on<S: Io>(socket: Socket<S>, message: String) -> String {
     tracing::warn!("closing subscriber connection: {message}");
     socket.close_in_background(1011, &elide(&format!("Error: {message}"), 123));
     message
