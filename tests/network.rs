@@ -262,6 +262,98 @@ async fn a_standby_takes_over_from_an_owner_whose_change_db_link_went_silent() {
     );
 }
 
+/// A host cut off in the middle of a `COPY` into the change DB leaves its
+/// session waiting for the rest of the data while it holds the
+/// replicationState lock. No server timeout ends such a session:
+/// `statement_timeout` is acted on only once data arrives, the session is
+/// not idle in its transaction, and its keepalives may be answered by a
+/// middlebox. The test plays that session itself, deterministically (it
+/// locks the row as a storage transaction does, starts the COPY and sends
+/// half a row, then goes silent with its socket open); the standby must
+/// end it and take over, and every transaction arrives exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_ends_an_owner_session_left_in_the_middle_of_a_copy() {
+    use futures::SinkExt;
+    let mut rng = Rng::from_env("SLUICE_CHAOS_SEED", "network stuck copy");
+    let dir = tempfile::tempdir().unwrap();
+    let spec = LogSpec::new(Backend::Postgres, dir.path());
+    let pg = spec.pg.clone().unwrap();
+    let server = pg_url();
+    // A 2 s call timeout: a session stuck for 4 s is ended.
+    let host_args = |task: &str| {
+        let mut list = mock_host_args(1000, &server, Some(&pg.app_id), task);
+        list.extend(args(&["--change-db-timeout-ms", "2000"]));
+        list
+    };
+    let mut owner = Host::named(dir.path(), "owner", host_args("owner"));
+    let mut standby = Host::named(dir.path(), "standby", host_args("standby"));
+    owner.start(&[]);
+    let subs = Subscribers::start_on(
+        vec![owner.addr.clone(), standby.addr.clone()],
+        Arc::new(Mutex::new("00".into())),
+        rng.next(),
+    );
+    until("the owner storing", &owner, Duration::from_secs(60), || {
+        last_watermark(&owner).is_some_and(|w| w >= lexi(50))
+    })
+    .await;
+    owner.kill();
+
+    // The owner's session, cut off in the middle of a storage transaction's COPY.
+    let stuck = connect_pg(&server).await;
+    let s = spec.schema();
+    stuck.batch_execute("SET application_name = 'zero-change-streamer'").await.unwrap();
+    stuck.batch_execute("BEGIN").await.unwrap();
+    let row = stuck.query_one(&format!(r#"SELECT "lastWatermark" FROM {s}."replicationState" FOR UPDATE"#), &[]).await;
+    let before: String = row.unwrap().get(0);
+    let copy = format!(r#"COPY {s}."changeLog" (watermark, pos, change, precommit) FROM STDIN (FORMAT binary)"#);
+    let sink = stuck.copy_in::<_, bytes::Bytes>(copy.as_str()).await.unwrap();
+    futures::pin_mut!(sink);
+    // The binary COPY header, then a row whose first field promises 100 bytes and carries 3.
+    let mut half = b"PGCOPY\n\xff\r\n\0".to_vec();
+    half.extend_from_slice(&[0; 8]);
+    half.extend_from_slice(&4i16.to_be_bytes());
+    half.extend_from_slice(&100i32.to_be_bytes());
+    half.extend_from_slice(b"zzz");
+    sink.send(bytes::Bytes::from(half)).await.unwrap();
+    let admin = connect_pg(&server).await;
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'zero-change-streamer' \
+                   AND state = 'active' AND wait_event = 'ClientRead' AND query LIKE 'COPY%'";
+    let started = Instant::now();
+    while admin.query_one(waiting, &[]).await.unwrap().get::<_, i64>(0) == 0 {
+        assert!(started.elapsed() < Duration::from_secs(10), "the COPY never waited for the rest of its data");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let stuck_since = Instant::now();
+    standby.start(&[]);
+    until("the standby owning and storing past the stuck session", &standby, Duration::from_secs(60), || {
+        last_watermark(&standby).is_some_and(|w| w > before) && standby.ready() == Some(true)
+    })
+    .await;
+    let took_over = stuck_since.elapsed();
+    let ended = sink.finish().await;
+    assert!(ended.is_err(), "the stuck session was ended, so its COPY cannot finish");
+    let standby_log = std::fs::read_to_string(&standby.log).unwrap_or_default();
+    let line = standby_log.lines().find(|l| l.contains("ended the change DB session pid"));
+    assert!(line.is_some(), "one line says which session was ended and why; log:\n{}", standby.log_tail());
+
+    let target = stored_watermark(&standby).await;
+    subs.reach_any(&target, &[&owner, &standby]).await;
+    let seen = subs.stop().await;
+    standby.kill();
+    let (checked, _) = check_mock_run(&seen, &spec).await;
+    println!(
+        "stuck copy: the standby ended the session left in the middle of a COPY and stored past it {:.1} s after \
+         the session went silent (call timeout 2 s, so stuck after 4 s); {} and {} transactions checked by the two \
+         subscribers: none lost or duplicated; {}",
+        took_over.as_secs_f64(),
+        checked[0],
+        checked[1],
+        line.unwrap_or_default().trim()
+    );
+}
+
 /// The built-in Postgres source behind the proxy (its replication and
 /// normal connections) while the upstream keeps committing: the silent
 /// replication link is noticed by its probes, reopened once it heals, and

@@ -104,6 +104,13 @@ impl PgSettings {
         Ok(client)
     }
 
+    /// How long a session may wait for its client's data in the middle of
+    /// a statement before a writer waiting for its lock ends it: twice the
+    /// call timeout, as for a transaction left idle.
+    fn stuck_after(&self) -> Duration {
+        self.call_timeout * 2
+    }
+
     /// A writer's connection: as [`PgSettings::connect`], and a transaction
     /// left idle by a client that vanished is ended by the server (its row
     /// locks would otherwise block a standby's takeover until TCP noticed,
@@ -162,43 +169,90 @@ async fn within<T>(
 /// `e`, classified; when it is a lock wait that timed out, with who holds
 /// the `replicationState` lock and since when, so an operator can tell a
 /// live owner from the session of a host that vanished.
-async fn lock_wait_error(c: &Client, s: &str, e: tokio_postgres::Error, what: &str) -> anyhow::Error {
+///
+/// A holder that has been waiting for its own client's data, in the middle
+/// of a statement (a `COPY FROM STDIN` cut by a silent network path), for
+/// longer than `stuck_after` is ended here: the server's timeouts never end
+/// it (`statement_timeout` is acted on only when data arrives, and the
+/// session is not idle), and its keepalives may be answered by a middlebox,
+/// so it would hold the lock indefinitely. A live client never leaves a
+/// statement half-sent for that long: each call gives up after
+/// `--change-db-timeout-ms` and drops its connection.
+async fn lock_wait_error(
+    c: &Client,
+    s: &str,
+    e: tokio_postgres::Error,
+    what: &str,
+    stuck_after: Duration,
+) -> anyhow::Error {
     if e.code() != Some(&SqlState::LOCK_NOT_AVAILABLE) {
         return classify(e, what);
     }
     let holders = c
         .query(
             "SELECT DISTINCT a.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), 'local socket'), \
-                    coalesce(a.state, '?'), extract(epoch FROM now() - a.state_change)::int8 \
+                    coalesce(a.state, '?'), coalesce(a.wait_event, ''), \
+                    extract(epoch FROM now() - a.state_change)::float8, \
+                    bool_or(l.mode IN ('RowShareLock', 'RowExclusiveLock')) OVER (PARTITION BY a.pid) \
              FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
              WHERE l.locktype = 'relation' AND l.granted AND l.pid <> pg_backend_pid() \
                AND l.relation = $1::text::regclass",
             &[&format!(r#"{s}."replicationState""#)],
         )
         .await;
+    let mut ended = Vec::new();
     let who = match holders {
-        Ok(rows) if !rows.is_empty() => rows
-            .iter()
-            .map(|r| {
-                format!(
-                    "pid {} ({} from {}, {} for {} s)",
-                    r.get::<_, i32>(0),
+        Ok(rows) if !rows.is_empty() => {
+            let mut described = Vec::new();
+            for r in &rows {
+                let (pid, state, wait) = (r.get::<_, i32>(0), r.get::<_, String>(3), r.get::<_, String>(4));
+                let secs = r.get::<_, Option<f64>>(5).unwrap_or(0.0);
+                let waiting = if wait.is_empty() { String::new() } else { format!(", waiting on {wait}") };
+                described.push(format!(
+                    "pid {pid} ({} from {}, {state}{waiting} for {secs:.0} s)",
                     r.get::<_, String>(1),
                     r.get::<_, String>(2),
-                    r.get::<_, String>(3),
-                    r.get::<_, Option<i64>>(4).unwrap_or(0)
-                )
-            })
-            .collect::<Vec<_>>()
-            .join(", "),
+                ));
+                // Only a writer's lock (`FOR UPDATE`, `UPDATE`) blocks a takeover.
+                let writer = r.get::<_, Option<bool>>(6).unwrap_or(false);
+                if writer && state == "active" && wait == "ClientRead" && secs > stuck_after.as_secs_f64() {
+                    ended.push(end_stuck_session(c, pid, secs).await);
+                }
+            }
+            described.join(", ")
+        }
         Ok(_) => "a session that has just let go of it".into(),
         Err(_) => "a session Sluice could not look up".into(),
     };
-    anyhow::Error::new(e).context(format!(
-        "{what}: the replicationState row is held by {who}; a live owner lets go at its next commit, and the server \
-         ends the session of an owner whose client vanished once it has been idle in its transaction for \
-         idle_in_transaction_session_timeout (twice --change-db-timeout-ms)"
-    ))
+    let outcome = if ended.is_empty() {
+        "a live owner lets go at its next commit, and the server ends the session of an owner whose client \
+         vanished once it has been idle in its transaction for idle_in_transaction_session_timeout (twice \
+         --change-db-timeout-ms)"
+            .to_string()
+    } else {
+        ended.join("; ")
+    };
+    anyhow::Error::new(e).context(format!("{what}: the replicationState row is held by {who}; {outcome}"))
+}
+
+/// Ends session `pid`, left in the middle of a statement by a client that
+/// went silent `secs` ago; says what happened, for the retry line.
+async fn end_stuck_session(c: &Client, pid: i32, secs: f64) -> String {
+    let ended = c.query_one("SELECT pg_terminate_backend($1)", &[&pid]).await;
+    match ended {
+        Ok(row) if row.get::<_, bool>(0) => {
+            tracing::warn!(
+                "ended the change DB session pid {pid}: it held the replicationState lock while waiting {secs:.0} s \
+                 for data its client never sent (a client cut off in the middle of a statement)"
+            );
+            format!("ended pid {pid}, which had waited {secs:.0} s for its client in the middle of a statement; the next attempt takes the lock")
+        }
+        Ok(_) => format!("pid {pid} had waited {secs:.0} s for its client, but is already gone"),
+        Err(e) => format!(
+            "pid {pid} has waited {secs:.0} s for its client in the middle of a statement, and could not be ended \
+             ({e}; the change DB role needs pg_signal_backend, or to be the role of that session)"
+        ),
+    }
 }
 
 pub fn quote_ident(s: &str) -> String {
@@ -563,6 +617,7 @@ impl ChangeLog for PostgresChangeLog {
     fn assume_ownership(&mut self, task_id: &str, address: &str) -> LogResult<()> {
         let s = self.schema.clone();
         let (task, addr) = (task_id.to_string(), address.to_string());
+        let stuck_after = self.settings.stuck_after();
         self.run(async |c| {
             let taken = c
                 .execute(
@@ -572,7 +627,7 @@ impl ChangeLog for PostgresChangeLog {
                 .await;
             match taken {
                 Ok(_) => Ok(()),
-                Err(e) => Err(lock_wait_error(c, &s, e, "taking ownership of the change DB").await),
+                Err(e) => Err(lock_wait_error(c, &s, e, "taking ownership of the change DB", stuck_after).await),
             }
         })
     }
@@ -582,6 +637,7 @@ impl ChangeLog for PostgresChangeLog {
         // error), so a lost connection may be replaced here.
         self.in_transaction = false;
         let s = self.schema.clone();
+        let stuck_after = self.settings.stuck_after();
         let owner = self.run(async |c| {
             c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED").await.map_err(|e| classify(e, "BEGIN"))?;
             // Lock the row first: a takeover now waits for this transaction.
@@ -589,7 +645,7 @@ impl ChangeLog for PostgresChangeLog {
             let row = match c.query_opt(&format!(r#"SELECT "owner" FROM {s}."replicationState" FOR UPDATE"#), &[]).await
             {
                 Ok(row) => row,
-                Err(e) => return Err(lock_wait_error(c, &s, e, "locking replicationState").await),
+                Err(e) => return Err(lock_wait_error(c, &s, e, "locking replicationState", stuck_after).await),
             };
             let kept = state_kept(c, &s).await?;
             Ok((row.and_then(|r| r.get::<_, Option<String>>(0)), kept))
