@@ -27,7 +27,8 @@ pub struct StorerOptions {
     /// Bytes that may wait in the queue before the loop stops pulling from
     /// the source.
     pub queue_budget: usize,
-    /// Rows buffered before they are inserted.
+    /// Rows buffered before they are inserted, at most (the log's own
+    /// [`crate::storage::ChangeLog::append_batch_rows`] applies too).
     pub batch_rows: usize,
     /// Upper bounds for one storage transaction made of several upstream ones.
     pub group_bytes: usize,
@@ -36,7 +37,7 @@ pub struct StorerOptions {
 
 impl Default for StorerOptions {
     fn default() -> Self {
-        StorerOptions { queue_budget: 32 << 20, batch_rows: 2000, group_bytes: 8 << 20, group_transactions: 1000 }
+        StorerOptions { queue_budget: 32 << 20, batch_rows: usize::MAX, group_bytes: 8 << 20, group_transactions: 1000 }
     }
 }
 
@@ -435,7 +436,8 @@ impl Worker {
                 let row = PendingRow { watermark: tx.watermark.clone(), pos: tx.next_pos, change, precommit: None };
                 tx.next_pos += 1;
                 self.push_row(row);
-                if self.rows.len() >= self.options.batch_rows || self.rows_bytes >= self.options.group_bytes {
+                let batch_rows = self.options.batch_rows.min(self.log.append_batch_rows());
+                if self.rows.len() >= batch_rows || self.rows_bytes >= self.options.group_bytes {
                     self.flush_open_transaction()?;
                 }
             }

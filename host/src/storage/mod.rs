@@ -142,6 +142,12 @@ pub trait ChangeLog: Send {
         false
     }
 
+    /// How many rows the storer hands [`ChangeLog::append`] at most at once
+    /// (the storer's own bounds on bytes apply too).
+    fn append_batch_rows(&self) -> usize {
+        2000
+    }
+
     /// Opens a storage transaction.
     fn begin(&mut self) -> LogResult<()>;
     /// Marks a point inside the storage transaction to roll back to.

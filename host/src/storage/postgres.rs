@@ -685,6 +685,14 @@ impl ChangeLog for PostgresChangeLog {
         Ok(())
     }
 
+    /// Each append is one COPY, which the server works through while the
+    /// storer waits: fewer, larger ones keep it busier. 20,000 rather than
+    /// 2,000 stored 13-17 % more changes/s (docs/benchmarks.md); the
+    /// storer's 8 MiB bound on a group's bytes still caps each one.
+    fn append_batch_rows(&self) -> usize {
+        20_000
+    }
+
     fn append(&mut self, rows: &[LogRow<'_>]) -> LogResult<()> {
         if rows.is_empty() {
             return Ok(());

@@ -46,6 +46,9 @@ impl ChangeLog for WatchedLog {
     fn shared(&self) -> bool {
         self.inner.shared()
     }
+    fn append_batch_rows(&self) -> usize {
+        self.inner.append_batch_rows()
+    }
     fn begin(&mut self) -> LogResult<()> {
         watched!(self, self.inner.begin())
     }
