@@ -71,7 +71,7 @@ impl Hub {
         catchup: CatchupOptions,
         budget: Arc<MemoryBudget>,
     ) -> Arc<Hub> {
-        Arc::new(Hub {
+        let hub = Arc::new(Hub {
             catchups: Catchups::new(reader.clone(), catchup, budget.clone()),
             budget,
             inner: Mutex::new(Inner {
@@ -84,7 +84,13 @@ impl Hub {
             reservations: Reservations::new(retention.consumer),
             subscriber_retention: retention.subscriber,
             purge_hold: Mutex::new(None),
-        })
+        });
+        let weak = Arc::downgrade(&hub);
+        hub.catchups.on_catch_up_again(Box::new(move |sub, replica_version| match weak.upgrade() {
+            Some(hub) => hub.catch_up_again(sub, replica_version),
+            None => sub.close(None),
+        }));
+        hub
     }
 
     pub fn reservations(&self) -> &Arc<Reservations> {
@@ -219,7 +225,7 @@ impl Hub {
     /// Adds a subscriber: checks its replica version, then starts its
     /// catch-up behind everything already queued for storage.
     pub fn subscribe(&self, sub: Arc<Subscriber>, replica_version: &str) {
-        let mut inner = self.lock();
+        let inner = self.lock();
         let Some(rv) = inner.replica_version.clone() else {
             // As a Zero change-streamer that is not up yet: no error, the
             // subscriber retries.
@@ -237,6 +243,33 @@ impl Hub {
             )));
             return;
         }
+        self.start_catchup(inner, sub, rv);
+    }
+
+    /// A subscriber whose live backlog overflowed while it caught up has
+    /// read its catch-up to the end: it leaves the live fan-out and joins
+    /// again as a subscriber at its last commit does, so the next catch-up
+    /// covers the live changes it let go, and its new backlog the rest.
+    pub fn catch_up_again(&self, sub: Arc<Subscriber>, replica_version: String) {
+        let mut inner = self.lock();
+        if sub.is_closed() || !inner.forwarder.remove(&sub) {
+            return;
+        }
+        let count = inner.forwarder.len();
+        self.status.update(|s| s.subscribers = count);
+        if inner.replica_version.as_deref() != Some(replica_version.as_str()) {
+            // A new lineage began meanwhile: it reconnects, as to a new log.
+            drop(inner);
+            sub.close(None);
+            return;
+        }
+        sub.restart_catchup();
+        self.start_catchup(inner, sub, replica_version);
+    }
+
+    /// Queues `sub`'s catch-up behind everything queued for storage and
+    /// adds it to the live fan-out, under the one lock.
+    fn start_catchup(&self, mut inner: MutexGuard<'_, Inner>, sub: Arc<Subscriber>, rv: String) {
         let direct = match &mut inner.storer {
             // The storer serves the catch-up after everything already queued,
             // which is everything forwarded before this subscriber joins.

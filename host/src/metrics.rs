@@ -214,6 +214,13 @@ impl prometheus_client::collector::Collector for StatusCollector {
             None,
             catchup.scans_total as f64,
         )?;
+        counter_value(
+            &mut encoder,
+            "catchup_repeated",
+            "Catch-ups run again from where one ended, because live changes outran it (a backlog past --backlog-mb)",
+            None,
+            catchup.repeated as f64,
+        )?;
         gauge_value(&mut encoder, "catchup_scans_running", "Catch-up scans running now", None, catchup.scans as f64)?;
         let budget = self.hub.budget().view();
         gauge_value(

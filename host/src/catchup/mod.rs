@@ -20,7 +20,7 @@
 mod scan;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::sync::Semaphore;
 
@@ -40,6 +40,8 @@ struct Counters {
     read: AtomicU64,
     /// Snapshots of the log pinned for scans.
     scans: AtomicU64,
+    /// Catch-ups run again because live changes outran them.
+    again: AtomicU64,
 }
 
 /// How catch-ups are run.
@@ -72,7 +74,13 @@ pub struct Catchups {
     permits: Arc<Semaphore>,
     counters: Counters,
     inner: Mutex<Inner>,
+    /// Where a subscriber goes that must catch up again (see
+    /// [`Catchups::on_catch_up_again`]).
+    again: OnceLock<CatchUpAgain>,
 }
+
+/// Takes a subscriber (and its replica version) that must catch up again.
+pub type CatchUpAgain = Box<dyn Fn(Arc<Subscriber>, String) + Send + Sync>;
 
 #[derive(Default)]
 struct Inner {
@@ -98,13 +106,35 @@ pub struct CatchupView {
     pub rows_read: u64,
     /// Snapshots of the log pinned for scans so far.
     pub scans_total: u64,
+    /// Catch-ups run again so far, from where one ended, because live
+    /// changes outran it (the subscriber's backlog passed `--backlog-mb`).
+    pub repeated: u64,
 }
 
 impl Catchups {
     pub fn new(reader: Arc<dyn LogReader>, options: CatchupOptions, budget: Arc<MemoryBudget>) -> Arc<Catchups> {
         let permits = Arc::new(Semaphore::new(options.readers.max(1)));
         let (counters, inner) = (Counters::default(), Mutex::new(Inner::default()));
-        Arc::new(Catchups { reader, options, budget, permits, counters, inner })
+        Arc::new(Catchups { reader, options, budget, permits, counters, inner, again: OnceLock::new() })
+    }
+
+    /// Sets who takes a subscriber whose live backlog overflowed while it
+    /// caught up, once its catch-up has ended: the hub, which runs another
+    /// catch-up from there behind what is queued for storage (the log must
+    /// hold the live changes it let go). Without one, it is closed, and
+    /// reconnects.
+    pub fn on_catch_up_again(&self, hook: CatchUpAgain) {
+        let _ = self.again.set(hook);
+    }
+
+    fn again(&self, subscribers: Vec<(Arc<Subscriber>, String)>) {
+        for (sub, replica_version) in subscribers {
+            self.counters.again.fetch_add(1, Ordering::Relaxed);
+            match self.again.get() {
+                Some(hook) => hook(sub, replica_version),
+                None => sub.close(None),
+            }
+        }
     }
 
     /// Catch-up rows `sub` may hold unconsumed now: the window, shrunk to
@@ -177,6 +207,7 @@ impl Catchups {
             changes_sent: count(&self.counters.sent),
             rows_read: count(&self.counters.read),
             scans_total: count(&self.counters.scans),
+            repeated: count(&self.counters.again),
         }
     }
 }

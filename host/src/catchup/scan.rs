@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 
-use super::{Catchups, Counters, CATCHUP_READ_ROWS};
+use super::{Catchups, CATCHUP_READ_ROWS};
 use crate::change::Change;
 use crate::storage::{LogSnapshot, StoredRow};
 use crate::subscriber::{Entry, ErrorType, Subscriber};
@@ -34,6 +34,9 @@ const MIN_GRACE: Duration = Duration::from_millis(250);
 /// A subscriber in a scan.
 pub(super) struct Member {
     pub sub: Arc<Subscriber>,
+    /// Where its catch-up starts ([`Subscriber::catchup_from`]).
+    from: Arc<str>,
+    replica_version: String,
     /// Every row up to here was handed over, or the subscriber holds it.
     at: Position,
     /// The row at the subscriber's start was seen (or it starts at the
@@ -45,8 +48,9 @@ pub(super) struct Member {
 
 impl Member {
     pub fn new(sub: Arc<Subscriber>, replica_version: &str, epoch: u64) -> Member {
-        let at = (Arc::from(sub.start.as_str()), i64::MAX);
-        Member { found: sub.start == replica_version, at, sub, epoch }
+        let from = sub.catchup_from();
+        let at = (from.clone(), i64::MAX);
+        Member { found: *from == *replica_version, at, from, replica_version: replica_version.to_string(), sub, epoch }
     }
 
     /// Hands over the rows of a batch that lie after this member's
@@ -56,13 +60,13 @@ impl Member {
         let mut first = None;
         for (i, row) in rows.iter().enumerate() {
             if !self.found {
-                match row.watermark.as_str().cmp(self.sub.start.as_str()) {
+                match row.watermark.as_str().cmp(&self.from) {
                     Cmp::Less => continue,
                     Cmp::Equal => self.found = true,
                     Cmp::Greater => {
                         self.sub.close(Some((
                             ErrorType::WatermarkTooOld,
-                            format!("earliest supported watermark is {} (requested {})", row.watermark, self.sub.start),
+                            format!("earliest supported watermark is {} (requested {})", row.watermark, self.from),
                         )));
                         return;
                     }
@@ -83,15 +87,16 @@ impl Member {
         self.sub.catchup_many(&entries[i..]);
     }
 
-    /// The snapshot ended and holds everything this member needs.
-    fn caught_up(self, last_watermark: &str) {
-        if !self.found && self.sub.start.as_str() > last_watermark {
+    /// The snapshot ended and holds everything this member needs. Returns
+    /// it when it must catch up again (its live backlog overflowed).
+    fn caught_up(self, last_watermark: &str) -> Option<(Arc<Subscriber>, String)> {
+        if !self.found && *self.from > *last_watermark {
             // Forwarding runs ahead of storage, so a subscriber can be ahead
             // of the log; it dedups the live changes it already has.
-            tracing::info!(subscriber = %self.sub.id, "subscriber at {} is ahead of the change log ({last_watermark})", self.sub.start);
+            tracing::info!(subscriber = %self.sub.id, "subscriber at {} is ahead of the change log ({last_watermark})", self.from);
         }
         tracing::debug!(subscriber = %self.sub.id, "caught up");
-        self.sub.set_caught_up();
+        (!self.sub.set_caught_up()).then_some((self.sub, self.replica_version))
     }
 }
 
@@ -202,7 +207,7 @@ impl Scan {
                     return Some(member);
                 }
                 // The scan has read rows of the member's start: it is in the log.
-                if *cursor.0 == *member.sub.start && cursor.1 >= 0 {
+                if *cursor.0 == *member.from && cursor.1 >= 0 {
                     member.found = true;
                 }
             }
@@ -217,8 +222,9 @@ impl Scan {
         &self,
         snapshot: &mut dyn LogSnapshot,
         pinned: u64,
-        counters: &Counters,
+        catchups: &Catchups,
     ) -> anyhow::Result<Batch> {
+        let counters = &catchups.counters;
         let (from, after) = {
             let mut st = self.lock();
             if st.members.is_empty() {
@@ -256,17 +262,21 @@ impl Scan {
             }
             return Ok(Batch::More);
         }
-        // The end of this snapshot: the members it covers are caught up.
-        let last = snapshot.last_watermark();
-        for m in st.members.extract_if(.., |m| m.epoch <= pinned) {
-            m.caught_up(last);
-        }
-        if st.members.is_empty() {
+        // The end of this snapshot: the members it covers are caught up
+        // (outside the scan's lock: one that must catch up again goes back
+        // through the hub, whose lock comes first).
+        let finished: Vec<Member> = st.members.extract_if(.., |m| m.epoch <= pinned).collect();
+        let batch = if st.members.is_empty() {
             st.done = true;
-            Ok(Batch::Done)
+            Batch::Done
         } else {
-            Ok(Batch::EndOfSnapshot)
-        }
+            Batch::EndOfSnapshot
+        };
+        drop(st);
+        let last = snapshot.last_watermark();
+        let again: Vec<_> = finished.into_iter().filter_map(|m| m.caught_up(last)).collect();
+        catchups.again(again);
+        Ok(batch)
     }
 
     /// Ends the scan (it failed): its members, to be closed.
@@ -321,7 +331,7 @@ impl Catchups {
                 let read = tracing::debug_span!(target: crate::telemetry::TARGET, "sluice.catchup.read");
                 let (snap, batch) = tokio::task::spawn_blocking(move || {
                     let _read = read.enter();
-                    let batch = shared.read_and_hand_out(snapshot.as_mut(), pinned, &catchups.counters);
+                    let batch = shared.read_and_hand_out(snapshot.as_mut(), pinned, &catchups);
                     (snapshot, batch)
                 })
                 .await?;
@@ -384,7 +394,7 @@ mod tests {
 
     fn member(start: &str, at: (&str, i64)) -> Member {
         let (sub, _) = Subscriber::new(start.into(), String::new(), Mode::Serving, 6, start.into(), Limits::default());
-        Member { sub, at: (at.0.into(), at.1), found: true, epoch: 1 }
+        Member { sub, from: start.into(), replica_version: "00".into(), at: (at.0.into(), at.1), found: true, epoch: 1 }
     }
 
     #[test]

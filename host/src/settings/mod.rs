@@ -215,7 +215,8 @@ pub struct Settings {
     /// connection); more wait for a place.
     #[arg(long, default_value_t = crate::storage::postgres::DEFAULT_MAX_SNAPSHOTS, env = "SLUICE_CHANGE_DB_READERS")]
     pub change_db_readers: usize,
-    /// Backlog a catching-up subscriber may accumulate, in MiB.
+    /// Live changes a catching-up subscriber may buffer, in MiB; past it
+    /// they are let go and read from the log in a further catch-up.
     #[arg(long, default_value_t = 16, env = "SLUICE_BACKLOG_MB")]
     pub backlog_mb: usize,
     /// Memory budget for everything held for subscribers (queued frames,

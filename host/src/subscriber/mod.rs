@@ -161,6 +161,13 @@ struct State {
     /// (a pointer each: 2,000 catch-ups during a flood held millions).
     backlog: Option<VecDeque<Arc<Entry>>>,
     backlog_bytes: usize,
+    /// The backlog passed its limit and was let go: live changes are
+    /// dropped until this catch-up ends, and another one, from where this
+    /// one ends, covers them.
+    overflowed: bool,
+    /// Where the current catch-up starts: `start`, then the last commit
+    /// sent when a catch-up is run again after an overflow.
+    catchup_from: Arc<str>,
     initialized: bool,
     missed_last_timeout: bool,
     /// Messages it had to consume by the deadline it missed.
@@ -215,9 +222,11 @@ impl Subscriber {
             limits,
             state: Mutex::new(State {
                 watermark: w.clone(),
-                acked: w,
+                acked: w.clone(),
                 backlog: Some(VecDeque::new()),
                 backlog_bytes: 0,
+                overflowed: false,
+                catchup_from: w,
                 initialized: false,
                 missed_last_timeout: false,
                 missed_target: 0,
@@ -275,6 +284,10 @@ impl Subscriber {
         if self.is_closed() || *entry.watermark <= *st.watermark {
             return;
         }
+        if st.overflowed {
+            // The next catch-up reads it from the log.
+            return;
+        }
         if let Some(backlog) = st.backlog.as_mut() {
             backlog.push_back(entry.clone());
             st.backlog_bytes += entry.change.json.len();
@@ -283,12 +296,7 @@ impl Subscriber {
             if !self.is_closed() && self.over_share(&st) {
                 self.close_over_budget(&mut st);
             } else if st.backlog_bytes > self.limits.backlog_bytes {
-                tracing::info!(
-                    subscriber = %self.id,
-                    "live backlog passed {} MiB while catching up; closing so it reconnects and catches up from the log",
-                    self.limits.backlog_bytes >> 20
-                );
-                self.close_locked(&mut st, None);
+                self.overflow(&mut st);
             }
             return;
         }
@@ -404,11 +412,50 @@ impl Subscriber {
         self.push_many(&mut st, frames);
     }
 
-    /// Catch-up is done: send the backlog, then go live.
-    pub fn set_caught_up(&self) {
+    /// Live changes arrive faster than the catch-up reaches them: rather
+    /// than hold more of them (or close the connection, which makes the
+    /// peer reconnect and start over), let them go and read them from the
+    /// log too, in another catch-up once this one ends.
+    fn overflow(&self, st: &mut State) {
+        tracing::info!(
+            subscriber = %self.id,
+            "live backlog passed {} MiB while catching up; it keeps reading the change log, past this catch-up's end, before it follows live",
+            self.limits.backlog_bytes >> 20
+        );
+        if st.backlog.as_mut().map(std::mem::take).is_some() {
+            self.release(st.backlog_bytes, 0);
+        }
+        st.backlog_bytes = 0;
+        st.overflowed = true;
+    }
+
+    /// Where its catch-up starts: the watermark it asked for, or, for a
+    /// catch-up run again after an overflow, the last commit it was sent.
+    pub fn catchup_from(&self) -> Arc<str> {
+        self.lock().catchup_from.clone()
+    }
+
+    /// Prepares another catch-up after an overflow, from the last commit
+    /// sent (a catch-up ends at a commit): live changes from here on are
+    /// kept again. Called with the forwarder's lock held, as it is
+    /// re-added, so the next catch-up's snapshot and this backlog meet.
+    pub fn restart_catchup(&self) {
+        let mut st = self.lock();
+        st.backlog = Some(VecDeque::new());
+        st.backlog_bytes = 0;
+        st.overflowed = false;
+        st.catchup_from = st.watermark.clone();
+    }
+
+    /// Catch-up is done: send the backlog, then go live. False when its
+    /// backlog overflowed: it must catch up again ([`Self::restart_catchup`]).
+    pub fn set_caught_up(&self) -> bool {
         let mut st = self.lock();
         if self.is_closed() {
-            return;
+            return true;
+        }
+        if st.overflowed {
+            return false;
         }
         self.initialize(&mut st);
         if let Some(backlog) = st.backlog.take() {
@@ -418,6 +465,7 @@ impl Subscriber {
                 self.send_change(&mut st, entry);
             }
         }
+        true
     }
 
     fn initialize(&self, st: &mut State) {
