@@ -218,45 +218,11 @@ async fn pump(
     let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + ping_every, ping_every);
     loop {
         tokio::select! {
-            frame = conn.frames.recv() => match frame {
-                Some(Frame::Message { json, .. }) => {
-                    // The change-streamer's greeting (`["status",{"tag":
-                    // "status"}]`) has no place in this protocol, whose
-                    // status messages carry a watermark.
-                    if json.starts_with("[\"status\"") && !json.contains("\"watermark\"") {
-                        sub.consumed(json.len(), None);
-                        continue;
-                    }
-                    match tokio::time::timeout(WRITE_STALL_LIMIT, tx.send(text(json.to_string()))).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(e)) => return format!("sending: {e}"),
-                        Err(_) => {
-                            return format!(
-                                "the peer took nothing of a write for {} s (a silent network path or a stuck reader)",
-                                WRITE_STALL_LIMIT.as_secs()
-                            )
-                        }
-                    }
-                    // A message counts as consumed once written: the
-                    // consumer acks commits only once it has stored them,
-                    // while Sluice may be waiting (flow control) in the
-                    // middle of the next transaction, whose commit it has
-                    // not sent. A consumer that stops reading still hits the
-                    // subscriber limits (its frames queue unsent).
-                    sub.consumed(json.len(), None);
+            frame = conn.frames.recv() => {
+                if let Err(end) = write_queued(&mut tx, frame, &mut conn, sub).await {
+                    return end;
                 }
-                Some(Frame::Error(json)) => {
-                    // Zero's WrongReplicaVersion (1) and WatermarkTooOld (2):
-                    // the consumer must start over.
-                    if json.contains("\"type\":1") || json.contains("\"type\":2") {
-                        let _ = tx.send(reset_required(&json)).await;
-                        return format!("reset required: {json}");
-                    }
-                    let _ = tx.send(error_close(&json)).await;
-                    return format!("closed with {json}");
-                }
-                Some(Frame::Close) | None => return "closed by the server".into(),
-            },
+            }
             msg = rx.next() => {
                 alive = true;
                 match msg {
@@ -302,6 +268,91 @@ async fn pump(
                 return "Sluice is shutting down".into();
             }
         }
+    }
+}
+
+/// Messages written before one flush, at most (and about 64 KiB).
+const WRITE_BATCH_MESSAGES: usize = 256;
+const WRITE_BATCH_BYTES: usize = 64 << 10;
+
+/// Writes `first` and whatever else is already queued (up to a batch) with
+/// one flush: a syscall per batch rather than per change, and nothing waits
+/// for a batch to fill. Returns why the connection ends, if it does.
+async fn write_queued(
+    tx: &mut SplitSink<WebSocket, Message>,
+    first: Option<Frame>,
+    conn: &mut Connection,
+    sub: &Arc<Subscriber>,
+) -> Result<(), String> {
+    let (mut messages, mut bytes) = (0u64, 0usize);
+    let mut next = first;
+    let mut ending = None;
+    let written = tokio::time::timeout(WRITE_STALL_LIMIT, async {
+        loop {
+            match next.take() {
+                Some(Frame::Message { json, .. }) => {
+                    // The change-streamer's greeting (`["status",{"tag":
+                    // "status"}]`) has no place in this protocol, whose
+                    // status messages carry a watermark.
+                    if json.starts_with("[\"status\"") && !json.contains("\"watermark\"") {
+                        sub.consumed(json.len(), None);
+                    } else {
+                        tx.feed(text(json.to_string())).await?;
+                        messages += 1;
+                        bytes += json.len();
+                    }
+                }
+                Some(Frame::Error(json)) => {
+                    ending = Some(json);
+                    break;
+                }
+                Some(Frame::Close) | None => {
+                    ending = Some(String::new());
+                    break;
+                }
+            }
+            if messages as usize >= WRITE_BATCH_MESSAGES || bytes >= WRITE_BATCH_BYTES {
+                break;
+            }
+            match conn.frames.try_recv() {
+                Some(frame) => next = Some(frame),
+                None => break,
+            }
+        }
+        tx.flush().await
+    })
+    .await;
+    match written {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(format!("sending: {e}")),
+        Err(_) => {
+            return Err(format!(
+                "the peer took nothing of a write for {} s (a silent network path or a stuck reader)",
+                WRITE_STALL_LIMIT.as_secs()
+            ))
+        }
+    }
+    // A message counts as consumed once written: the consumer acks commits
+    // only once it has stored them, while Sluice may be waiting (flow
+    // control) in the middle of the next transaction, whose commit it has
+    // not sent. A consumer that stops reading still hits the subscriber
+    // limits (its frames queue unsent).
+    if messages > 0 {
+        sub.consumed_many(messages, bytes, None);
+    }
+    match ending {
+        None => Ok(()),
+        // Zero's WrongReplicaVersion (1) and WatermarkTooOld (2): the
+        // consumer must start over.
+        Some(json) if json.contains("\"type\":1") || json.contains("\"type\":2") => {
+            let _ = tx.send(reset_required(&json)).await;
+            Err(format!("reset required: {json}"))
+        }
+        Some(json) if !json.is_empty() => {
+            let _ = tx.send(error_close(&json)).await;
+            Err(format!("closed with {json}"))
+        }
+        Some(_) => Err("closed by the server".into()),
     }
 }
 
