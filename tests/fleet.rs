@@ -92,6 +92,9 @@ struct Seen {
     problems: Vec<String>,
     /// Times it was closed for the memory budget.
     budget_closes: usize,
+    /// For each of those closes: the server's message, when it came (since
+    /// the recorder started) and the last commit before it.
+    budget_close_notes: Vec<String>,
 }
 
 /// How a recorder behaves.
@@ -127,6 +130,7 @@ impl Plan {
 /// times.
 async fn record(addr: String, id: String, from: String, mut stalls: usize, plan: Plan) -> Seen {
     let mut seen = Seen::default();
+    let began = std::time::Instant::now();
     'connect: loop {
         let after = seen.commits.last().map_or(from.clone(), |(w, _)| w.clone());
         if plan.is_last(&after) {
@@ -191,6 +195,12 @@ async fn record(addr: String, id: String, from: String, mut stalls: usize, plan:
                 }
                 "error" if msg[1]["type"] == 3 && msg[1]["message"].as_str().is_some_and(|m| m.contains("budget")) => {
                     seen.budget_closes += 1;
+                    seen.budget_close_notes.push(format!(
+                        "{} at {:.3} s after commit {:?}",
+                        msg[1]["message"],
+                        began.elapsed().as_secs_f64(),
+                        seen.commits.last().map(|(w, _)| w)
+                    ));
                     if stalls > 0 {
                         stalls -= 1;
                         plan.stalls.fetch_sub(1, Ordering::SeqCst);
@@ -260,7 +270,11 @@ async fn a_flood_of_peers_that_never_ack_does_not_hold_a_well_behaved_subscriber
     }
     let seen = good.await.unwrap();
     assert_exactly_once("the well-behaved subscriber", &seen, 1, 601, 4);
-    assert_eq!(seen.budget_closes, 0, "the well-behaved subscriber is never over its share");
+    assert_eq!(
+        seen.budget_closes, 0,
+        "the well-behaved subscriber is never over its share: {:?}",
+        seen.budget_close_notes
+    );
     assert!(budget.view().closed_total >= 30, "the silent peers were closed for the budget: {:?}", budget.view());
     // Their connections end and what they held is given back.
     wait_until("the memory held to fall under the budget", WAIT, || {
@@ -320,7 +334,13 @@ async fn the_budget_closes_the_subscribers_that_hold_most_and_they_catch_up_exac
     for (i, seen) in seen.iter().enumerate() {
         assert_exactly_once(&format!("subscriber {i}"), seen, 1, end, 3);
     }
-    assert_eq!(seen[0].budget_closes, 0, "the subscriber that keeps up is never closed");
+    assert_eq!(
+        seen[0].budget_closes,
+        0,
+        "the subscriber that keeps up is never closed: {:?}; the stallers' closes: {:?}",
+        seen[0].budget_close_notes,
+        seen[1..].iter().map(|s| &s.budget_close_notes).collect::<Vec<_>>()
+    );
     let stallers_closed: usize = seen[1..].iter().map(|s| s.budget_closes).sum();
     assert!(stallers_closed >= 6, "each of the six stalls ended with a close for the budget: {stallers_closed}");
 }
