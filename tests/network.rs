@@ -185,16 +185,7 @@ async fn a_standby_takes_over_from_an_owner_whose_change_db_link_went_silent() {
     let host_args = |task: &str, change_db: &str| mock_host_args(1000, change_db, Some(&pg.app_id), task);
     let mut owner = Host::named(dir.path(), "owner", host_args("owner", &through(&server, &proxy)));
     let mut standby = Host::named(dir.path(), "standby", host_args("standby", &server));
-    owner.start(&[]);
-    let subs = Subscribers::start_on(
-        vec![owner.addr.clone(), standby.addr.clone()],
-        Arc::new(Mutex::new("00".into())),
-        rng.next(),
-    );
-    until("the owner storing", &owner, Duration::from_secs(60), || {
-        last_watermark(&owner).is_some_and(|w| w >= lexi(50))
-    })
-    .await;
+    let subs = start_owner_with_subscribers(&mut owner, &standby, &mut rng).await;
 
     // Cut the link while the owner's session holds the lock (it is inside a
     // storage transaction): the case a dead machine leaves behind. A cut
@@ -287,16 +278,7 @@ async fn a_standby_ends_an_owner_session_left_in_the_middle_of_a_copy() {
     };
     let mut owner = Host::named(dir.path(), "owner", host_args("owner"));
     let mut standby = Host::named(dir.path(), "standby", host_args("standby"));
-    owner.start(&[]);
-    let subs = Subscribers::start_on(
-        vec![owner.addr.clone(), standby.addr.clone()],
-        Arc::new(Mutex::new("00".into())),
-        rng.next(),
-    );
-    until("the owner storing", &owner, Duration::from_secs(60), || {
-        last_watermark(&owner).is_some_and(|w| w >= lexi(50))
-    })
-    .await;
+    let subs = start_owner_with_subscribers(&mut owner, &standby, &mut rng).await;
     owner.kill();
 
     // The owner's session, cut off in the middle of a storage transaction's COPY.
@@ -352,6 +334,20 @@ async fn a_standby_ends_an_owner_session_left_in_the_middle_of_a_copy() {
         checked[1],
         line.unwrap_or_default().trim()
     );
+}
+
+/// Starts `owner` with two subscribers that move to `standby` when the
+/// owner goes, and waits until the owner has stored 50 transactions.
+async fn start_owner_with_subscribers(owner: &mut Host, standby: &Host, rng: &mut Rng) -> Subscribers {
+    owner.start(&[]);
+    let subs = Subscribers::start_on(
+        vec![owner.addr.clone(), standby.addr.clone()],
+        Arc::new(Mutex::new("00".into())),
+        rng.next(),
+    );
+    until("the owner storing", owner, Duration::from_secs(60), || last_watermark(owner).is_some_and(|w| w >= lexi(50)))
+        .await;
+    subs
 }
 
 /// The built-in Postgres source behind the proxy (its replication and

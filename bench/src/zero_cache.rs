@@ -15,6 +15,7 @@
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zero_harness::{database_url, interop_dir, Streamer, Upstream, ZeroCache};
@@ -86,6 +87,7 @@ pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
     println!("upstream: {rows} rows (int8 id, ~20 B text, float8) loaded in {:.1} s", loaded.elapsed().as_secs_f64());
     let dir = tmp.join("zero");
     std::fs::create_dir_all(&dir)?;
+    let _hog = Hog::from_env();
 
     // 1. Through Sluice.
     let addr = free_addr();
@@ -215,18 +217,65 @@ async fn start_zero_cache(
     .await?)
 }
 
-/// Commits 10 rows every 10 ms for `secs` seconds (1,000 changes/s) from id
-/// `next` on, each stamped with the time just before its commit.
+/// Rows per live commit (`SLUICE_BENCH_ZERO_ROWS_PER_COMMIT`, 10): a commit
+/// every that many ms, so 1,000 changes/s whatever the size (1: 1,000
+/// one-row transactions/s).
+fn rows_per_commit() -> u64 {
+    std::env::var("SLUICE_BENCH_ZERO_ROWS_PER_COMMIT").ok().and_then(|v| v.parse().ok()).unwrap_or(10).clamp(1, 1000)
+}
+
+/// Commits [`rows_per_commit`] rows every as many ms for `secs` seconds
+/// (1,000 changes/s) from id `next` on, each stamped with the time just
+/// before its commit.
 async fn write_live(up: &tokio_postgres::Client, next: &mut u64, secs: u64) -> anyhow::Result<()> {
-    let mut tick = tokio::time::interval(Duration::from_millis(10));
-    for _ in 0..secs * 100 {
+    let rows = rows_per_commit();
+    let mut tick = tokio::time::interval(Duration::from_millis(rows));
+    for _ in 0..secs * 1000 / rows {
         tick.tick().await;
         let t = now_ms();
-        let values: Vec<String> = (*next..*next + 10).map(|id| format!("({id}, 'live {id}', {t})")).collect();
+        let values: Vec<String> = (*next..*next + rows).map(|id| format!("({id}, 'live {id}', {t})")).collect();
         up.batch_execute(&format!("INSERT INTO items VALUES {}", values.join(","))).await?;
-        *next += 10;
+        *next += rows;
     }
     Ok(())
+}
+
+/// Other work on the machine's cores while the set-ups run
+/// (`SLUICE_BENCH_ZERO_HOG`: that many threads that spin), for the tail
+/// under load; stopped when dropped.
+struct Hog(Arc<std::sync::atomic::AtomicBool>, Vec<std::thread::JoinHandle<()>>);
+
+impl Hog {
+    fn from_env() -> Hog {
+        let n: usize = std::env::var("SLUICE_BENCH_ZERO_HOG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = (0..n)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut x = 1u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        for _ in 0..10_000 {
+                            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                        }
+                    }
+                })
+            })
+            .collect();
+        if n > 0 {
+            println!("other work: {n} threads spinning on the cores throughout");
+        }
+        Hog(stop, threads)
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.1.drain(..) {
+            let _ = t.join();
+        }
+    }
 }
 
 /// `secs` of live rows, measured like [`replica_latency`] but reported as
@@ -311,7 +360,8 @@ fn report(what: &str, where_: &str, total: u64, secs: u64, json: &[u8]) -> anyho
         .unwrap_or_default();
     lat.sort_unstable();
     println!(
-        "{what}: live, 1,000 changes/s (10-row commits) for {secs} s: {} of {total} rows seen; commit to {where_} p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+        "{what}: live, 1,000 changes/s ({}-row commits) for {secs} s: {} of {total} rows seen; commit to {where_} p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+        rows_per_commit(),
         lat.len(),
         percentile(&lat, 0.5),
         percentile(&lat, 0.99),
