@@ -316,15 +316,12 @@ async fn the_budget_closes_the_subscribers_that_hold_most_and_they_catch_up_exac
             n += 1;
             push_tx(&s.feed, n, 3, 512);
         }
-        // The next batch waits until the subscriber that keeps up has
-        // consumed this one, so it keeps up by construction however busy
-        // the machine is (it holds at most a batch, under its share); a
-        // loaded machine otherwise made it miss a flow-control deadline,
-        // and the budget rightly closed it as behind.
-        let (hub, target) = (s.hub.clone(), lexi(n));
-        wait_until("the subscriber that keeps up to consume the batch", WAIT, || {
-            let done = hub.subscriber_views().iter().any(|v| v.id == "sub0" && v.acked >= target);
-            async move { done }
+        // Keep the source a little ahead of the subscribers rather than
+        // queueing everything at once.
+        let feed = s.feed.clone();
+        wait_until("the source to take what was pushed", WAIT, || {
+            let left = feed.items.lock().unwrap().len();
+            async move { left < 100 }
         })
         .await;
     }
