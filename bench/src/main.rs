@@ -22,6 +22,7 @@ mod fleet;
 mod lean_ws;
 mod mariadb_source;
 mod pg_source;
+mod send_lag;
 mod zero_cache;
 
 fn plugin_dir() -> PathBuf {
@@ -33,7 +34,7 @@ async fn main() -> anyhow::Result<()> {
     let tmp = std::env::temp_dir().join(format!("sluice-bench-{}", std::process::id()));
     std::fs::create_dir_all(&tmp)?;
     let registry = std::sync::Arc::new(Registry::load(&plugin_dir(), Some(tmp.join("cache"))).await?);
-    // `sluice-bench [boundary|store|custom|postgres|pgsource|tls|zero|mariadb|fanout|fleet|filters|filter-cost|catchup ...]`: all by default.
+    // `sluice-bench [boundary|store|custom|postgres|pgsource|tls|zero|sendlag|mariadb|fanout|fleet|filters|filter-cost|catchup ...]`: all by default.
     let only: Vec<String> = std::env::args().skip(1).collect();
     let run = |section: &str| only.is_empty() || only.iter().any(|o| o == section);
     println!("# Sluice benchmarks ({} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
@@ -88,6 +89,13 @@ async fn main() -> anyhow::Result<()> {
         println!("\n## zero-cache 1.9.0 on Sluice vs on its own Postgres source (same table, same machine)");
         // SLUICE_BENCH_ZERO_ROWS (1,000,000) and SLUICE_BENCH_ZERO_SECS (10) size it.
         zero_cache::run(url, &tmp).await?;
+    }
+    if let (true, Some(url)) = (run("sendlag"), &pg_url) {
+        println!(
+            "\n## Send lag: a subscriber on Sluice and one on zero-cache's change-streamer, same upstream, same run"
+        );
+        // SLUICE_BENCH_LAG_SECS (20) sizes it; SLUICE_BENCH_ZERO_HOG=N adds load.
+        send_lag::run(url, &tmp).await?;
     }
     if run("tls") {
         println!(

@@ -25,11 +25,11 @@ use super::{free_addr, percentile, sluice_binary};
 const DB: &str = "sluice_bench_zero";
 const SLOT: &str = "sluice_bench_zero";
 
-fn now_ms() -> f64 {
+pub(crate) fn now_ms() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64() * 1000.0
 }
 
-async fn connect(url: &str) -> anyhow::Result<tokio_postgres::Client> {
+pub(crate) async fn connect(url: &str) -> anyhow::Result<tokio_postgres::Client> {
     let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
     tokio::spawn(conn);
     Ok(client)
@@ -38,7 +38,12 @@ async fn connect(url: &str) -> anyhow::Result<tokio_postgres::Client> {
 /// Drops the replication slots on the bench database (Sluice's, and the
 /// ones zero-cache's own source made), so the database can be dropped.
 async fn drop_slots(admin: &tokio_postgres::Client) -> anyhow::Result<()> {
-    let ours = format!("(database = '{DB}' OR slot_name = '{SLOT}')");
+    drop_slots_where(admin, &format!("(database = '{DB}' OR slot_name = '{SLOT}')")).await
+}
+
+/// Drops the replication slots `ours` (a condition on
+/// `pg_replication_slots`) selects, ending their walsenders first.
+pub(crate) async fn drop_slots_where(admin: &tokio_postgres::Client, ours: &str) -> anyhow::Result<()> {
     // A stopped zero-cache's walsender may outlive it for a moment.
     admin
         .batch_execute(&format!(
@@ -243,10 +248,10 @@ async fn write_live(up: &tokio_postgres::Client, next: &mut u64, secs: u64) -> a
 /// Other work on the machine's cores while the set-ups run
 /// (`SLUICE_BENCH_ZERO_HOG`: that many threads that spin), for the tail
 /// under load; stopped when dropped.
-struct Hog(Arc<std::sync::atomic::AtomicBool>, Vec<std::thread::JoinHandle<()>>);
+pub(crate) struct Hog(Arc<std::sync::atomic::AtomicBool>, Vec<std::thread::JoinHandle<()>>);
 
 impl Hog {
-    fn from_env() -> Hog {
+    pub(crate) fn from_env() -> Hog {
         let n: usize = std::env::var("SLUICE_BENCH_ZERO_HOG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let threads = (0..n)

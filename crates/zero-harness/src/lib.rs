@@ -302,6 +302,11 @@ impl ZeroCache {
         format!("http://127.0.0.1:{}", self.launch.port)
     }
 
+    /// Where its change-streamer listens (HOST:PORT, the port after its own).
+    pub fn change_streamer(&self) -> String {
+        format!("127.0.0.1:{}", self.launch.port + 1)
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.launch.log).unwrap_or_default()
     }
