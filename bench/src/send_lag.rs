@@ -44,6 +44,10 @@ struct Lags {
 
 pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
     let secs: u64 = std::env::var("SLUICE_BENCH_LAG_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    // One-row transactions per second (1,000; a low rate shows what waits
+    // between quiet moments).
+    let rate: u64 =
+        std::env::var("SLUICE_BENCH_LAG_RATE").ok().and_then(|v| v.parse().ok()).unwrap_or(1000).clamp(1, 1000);
     let warm_secs: u64 = std::env::var("SLUICE_BENCH_ZERO_WARMUP_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
     if !zero_harness::installed() {
         println!("(@rocicorp/zero is not installed in tests/interop: run `make interop-deps`; skipped)");
@@ -84,7 +88,7 @@ pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
     let mut next = rows + 1;
     let zero_streamer = format!("ws://{}", zc.change_streamer());
     let sluice_streamer = format!("ws://{addr}");
-    let timing = Timing { warm_secs, secs };
+    let timing = Timing { warm_secs, secs, rate };
     let mut writers = Vec::new();
     for _ in 0..WRITERS {
         writers.push(Arc::new(connect(&up_url).await?));
@@ -130,6 +134,8 @@ struct Timing {
     warm_secs: u64,
     /// Seconds of measured rows.
     secs: u64,
+    /// One-row transactions a second.
+    rate: u64,
 }
 
 /// Sluice's replica version and last stored watermark, once it has a
@@ -161,8 +167,8 @@ async fn window(
     streamers: Vec<(&str, String, String, String)>,
 ) -> anyhow::Result<()> {
     let marker = *next;
-    let first_measured = marker + 1 + timing.warm_secs * 1000;
-    let total = timing.secs * 1000;
+    let first_measured = marker + 1 + timing.warm_secs * timing.rate;
+    let total = timing.secs * timing.rate;
     let last = first_measured + total - 1;
     // Committed after every writer is done, so it comes after all of them.
     let end = last + 1;
@@ -185,14 +191,15 @@ async fn window(
     let first = *next;
     let start = tokio::time::Instant::now();
     let mut writing = Vec::new();
+    let writers_len = writers.len();
     for (k, writer) in writers.iter().enumerate() {
         let writer = writer.clone();
-        let every = Duration::from_millis(writers.len() as u64);
+        let every = Duration::from_micros(writers.len() as u64 * 1_000_000 / timing.rate);
         writing.push(tokio::spawn(async move {
             let (mut commits, mut wakes, mut since) = (Vec::new(), Vec::new(), None);
-            let mut tick = tokio::time::interval_at(start + Duration::from_millis(k as u64), every);
+            let mut tick = tokio::time::interval_at(start + every / writers_len as u32 * k as u32, every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-            for id in (first + k as u64..=last).step_by(every.as_millis() as usize) {
+            for id in (first + k as u64..=last).step_by(writers_len) {
                 let due = tick.tick().await;
                 let t = now_ms();
                 let woke = due.elapsed();
@@ -232,8 +239,9 @@ async fn window(
             lags.seen.iter().filter(|(id, _)| (first_measured..=last).contains(id)).map(|(_, l)| *l).collect();
         lat.sort_unstable();
         println!(
-            "{name}, {label}: {} s of one-row transactions, 1,000/s offered ({} s before not counted): {} of {total} rows received; commit to subscriber p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms",
+            "{name}, {label}: {} s of one-row transactions, {}/s offered ({} s before not counted): {} of {total} rows received; commit to subscriber p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms",
             timing.secs,
+            timing.rate,
             timing.warm_secs,
             lat.len(),
             percentile(&lat, 0.5),

@@ -509,12 +509,19 @@ impl Streamer {
             }
             if batch.is_empty() {
                 quiet.check(self.source.name());
-                // Nothing now: wait a little (longer while it stays quiet), but
-                // wake for durable commits so acks are not held back.
-                tokio::select! {
-                    _ = tokio::time::sleep(idle) => {}
-                    Some(w) = durable_rx.recv() => acks.extend(self.on_durable(&w, state)),
-                    _ = shutdown.changed() => return PassEnd::Shutdown,
+                // Nothing now: call again once `idle` (longer while it stays
+                // quiet) has passed since this call began, waking for durable
+                // commits so acks are not held back. A source that waited for
+                // data itself (the Postgres source and I/O plugins wait up to
+                // ~100 ms) is called again at once: a pause after its wait
+                // would hold a change that arrives in it by up to 20 ms.
+                let rest = idle.saturating_sub(pulled.elapsed());
+                if !rest.is_zero() {
+                    tokio::select! {
+                        _ = tokio::time::sleep(rest) => {}
+                        Some(w) = durable_rx.recv() => acks.extend(self.on_durable(&w, state)),
+                        _ = shutdown.changed() => return PassEnd::Shutdown,
+                    }
                 }
                 idle = (idle * 2).min(Duration::from_millis(20));
                 continue;
