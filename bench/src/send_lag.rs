@@ -18,7 +18,7 @@
 //! throughout, for the tail when other work shares the machine.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,8 +26,8 @@ use futures::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::Message as Ws;
 use zero_harness::{database_url, interop_dir, Upstream, ZeroCache};
 
-use super::zero_cache::{connect, drop_slots_where, now_ms, Hog};
-use super::{free_addr, http_status, percentile, sluice_binary, split_frame};
+use super::zero_cache::{connect, drop_slots_where, now_ms, spawn_postgres_sluice, Hog};
+use super::{free_addr, http_status, percentile, split_frame};
 
 const DB: &str = "sluice_bench_lag";
 const SLOT: &str = "sluice_bench_lag";
@@ -278,15 +278,7 @@ fn replica_position(replica: &Path) -> anyhow::Result<(String, String)> {
 }
 
 fn spawn_sluice(dir: &Path, addr: &str, up_url: &str) -> anyhow::Result<Child> {
-    let log = std::fs::File::create(dir.join("sluice.log"))?;
-    let config = serde_json::json!({ "url": up_url, "slot": SLOT }).to_string();
-    Ok(Command::new(sluice_binary())
-        .args(["run", "--source", "postgres", "--source-config", &config, "--listen", addr])
-        .arg("--change-db")
-        .arg(format!("sqlite:{}", dir.join("sluice.db").display()))
-        .stdout(Stdio::from(log.try_clone()?))
-        .stderr(Stdio::from(log))
-        .spawn()?)
+    spawn_postgres_sluice(dir, addr, &serde_json::json!({ "url": up_url, "slot": SLOT }), &[])
 }
 
 /// A subscriber at `base` (`ws://HOST:PORT`) from `watermark`: acks every

@@ -192,12 +192,23 @@ async fn read_initial_sync(addr: &str) -> anyhow::Result<(u64, f64)> {
 }
 
 fn spawn_sluice(dir: &Path, addr: &str, up_url: &str) -> anyhow::Result<Child> {
-    let log = std::fs::File::create(dir.join("sluice.log"))?;
     // Zero's upstream tables are created and replicated, for the view-syncer.
-    let config =
-        serde_json::json!({ "url": up_url, "slot": SLOT, "zero": {"app_id": "zero", "shard_num": 0} }).to_string();
+    let config = serde_json::json!({ "url": up_url, "slot": SLOT, "zero": {"app_id": "zero", "shard_num": 0} });
+    spawn_postgres_sluice(dir, addr, &config, &["--table-state"])
+}
+
+/// `sluice run` on the built-in Postgres source with `config`, serving on
+/// `addr`, its SQLite change log and its log in `dir`, plus `extra` flags.
+pub(crate) fn spawn_postgres_sluice(
+    dir: &Path,
+    addr: &str,
+    config: &serde_json::Value,
+    extra: &[&str],
+) -> anyhow::Result<Child> {
+    let log = std::fs::File::create(dir.join("sluice.log"))?;
     Ok(Command::new(sluice_binary())
-        .args(["run", "--source", "postgres", "--source-config", &config, "--listen", addr, "--table-state"])
+        .args(["run", "--source", "postgres", "--source-config", &config.to_string(), "--listen", addr])
+        .args(extra)
         .arg("--change-db")
         .arg(format!("sqlite:{}", dir.join("sluice.db").display()))
         .stdout(Stdio::from(log.try_clone()?))
