@@ -26,7 +26,7 @@ use futures::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::Message as Ws;
 use zero_harness::{database_url, interop_dir, Upstream, ZeroCache};
 
-use super::zero_cache::{connect, drop_slots_where, now_ms, spawn_postgres_sluice, Hog};
+use super::zero_cache::{connect, drop_slots_where, now_ms, spawn_postgres_sluice, Hog, Sluice};
 use super::{free_addr, http_status, percentile, split_frame};
 
 const DB: &str = "sluice_bench_lag";
@@ -35,12 +35,8 @@ const SLOT: &str = "sluice_bench_lag";
 /// millisecond among them).
 const WRITERS: usize = 4;
 
-/// Arrival lags (µs) of the live rows a subscriber saw, by row id.
-#[derive(Default)]
-struct Lags {
-    /// (id, lag in µs)
-    seen: Vec<(u64, u64)>,
-}
+/// Each row a subscriber saw with its arrival lag: (row id, lag in µs).
+type Lags = Vec<(u64, u64)>;
 
 pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
     let secs: u64 = std::env::var("SLUICE_BENCH_LAG_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
@@ -111,8 +107,7 @@ pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
     .await?;
     // Each alone: Zero's with Sluice stopped, then Sluice's (started again
     // on its log and slot) with zero-cache stopped.
-    let _ = sluice.kill();
-    let _ = sluice.wait();
+    drop(sluice);
     let (zrv, zw) = replica_position(zc.replica())?;
     window("alone", &writers, &mut next, timing, vec![("zero-cache's change-streamer", zero_streamer, zrv, zw)])
         .await?;
@@ -120,8 +115,7 @@ pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
     let mut sluice = spawn_sluice(&dir, &addr, &up_url)?;
     let (rv, w) = sluice_position(&addr, &mut sluice, &dir).await?;
     window("alone", &writers, &mut next, timing, vec![("Sluice", sluice_streamer, rv, w)]).await?;
-    let _ = sluice.kill();
-    let _ = sluice.wait();
+    drop(sluice);
     drop((up, writers));
     drop_slots_where(&admin, &ours).await?;
     admin.batch_execute(&format!("DROP DATABASE IF EXISTS {DB} WITH (FORCE)")).await?;
@@ -157,8 +151,8 @@ async fn sluice_position(addr: &str, sluice: &mut Child, dir: &Path) -> anyhow::
 /// One measured window: a subscriber on each of `streamers` (name, base
 /// URL, replica version, watermark), a marker row that every one of them
 /// must have received (so none starts behind), then `warm_secs` of rows
-/// not counted and `secs` of rows measured, 1,000 one-row transactions a
-/// second.
+/// not counted and `secs` of rows measured, `rate` one-row transactions
+/// a second.
 async fn window(
     label: &str,
     writers: &[Arc<tokio_postgres::Client>],
@@ -192,9 +186,9 @@ async fn window(
     let start = tokio::time::Instant::now();
     let mut writing = Vec::new();
     let writers_len = writers.len();
+    let every = Duration::from_micros(writers_len as u64 * 1_000_000 / timing.rate);
     for (k, writer) in writers.iter().enumerate() {
         let writer = writer.clone();
-        let every = Duration::from_micros(writers.len() as u64 * 1_000_000 / timing.rate);
         writing.push(tokio::spawn(async move {
             let (mut commits, mut wakes, mut since) = (Vec::new(), Vec::new(), None);
             let mut tick = tokio::time::interval_at(start + every / writers_len as u32 * k as u32, every);
@@ -219,10 +213,7 @@ async fn window(
         let (c, wk, s) = w.await??;
         commits.extend(c);
         wakes.extend(wk);
-        since = match (since, s) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        since = since.into_iter().chain(s).min();
     }
     writers[0].batch_execute(&format!("INSERT INTO items VALUES ({end}, 'end', 0)")).await?;
     *next = end + 1;
@@ -236,7 +227,7 @@ async fn window(
             .await
             .map_err(|_| anyhow::anyhow!("{name}'s subscriber did not receive the last row in 3 minutes"))???;
         let mut lat: Vec<u64> =
-            lags.seen.iter().filter(|(id, _)| (first_measured..=last).contains(id)).map(|(_, l)| *l).collect();
+            lags.iter().filter(|(id, _)| (first_measured..=last).contains(id)).map(|(_, l)| *l).collect();
         lat.sort_unstable();
         println!(
             "{name}, {label}: {} s of one-row transactions, {}/s offered ({} s before not counted): {} of {total} rows received; commit to subscriber p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms",
@@ -277,7 +268,7 @@ fn replica_position(replica: &Path) -> anyhow::Result<(String, String)> {
     Ok((read("_zero.replicationConfig", "replicaVersion")?, read("_zero.replicationState", "stateVersion")?))
 }
 
-fn spawn_sluice(dir: &Path, addr: &str, up_url: &str) -> anyhow::Result<Child> {
+fn spawn_sluice(dir: &Path, addr: &str, up_url: &str) -> anyhow::Result<Sluice> {
     spawn_postgres_sluice(dir, addr, &serde_json::json!({ "url": up_url, "slot": SLOT }), &[])
 }
 
@@ -299,7 +290,7 @@ async fn subscribe(
     // once instead of waiting on the server's delayed ACK.
     let (mut ws, _) = tokio_tungstenite::connect_async_with_config(&url, None, true).await?;
     let mut marker_seen = Some(marker_seen);
-    let mut lags = Lags::default();
+    let mut lags = Lags::new();
     while let Some(frame) = ws.next().await {
         let text = match frame? {
             Ws::Text(text) => text,
@@ -308,6 +299,7 @@ async fn subscribe(
         };
         let arrived = now_ms();
         let (id, msg) = split_frame(&text)?;
+        let mut done = false;
         if msg.starts_with("[\"data\"") {
             let v: serde_json::Value = serde_json::from_str(msg)?;
             let row = &v[1]["new"];
@@ -319,16 +311,16 @@ async fn subscribe(
                 }
             }
             if t > 0.0 {
-                lags.seen.push((row_id, ((arrived - t).max(0.0) * 1000.0) as u64));
+                lags.push((row_id, ((arrived - t).max(0.0) * 1000.0) as u64));
             }
-            if row_id == last {
-                ws.send(Ws::Text(format!("{{\"ack\":{id}}}").into())).await?;
-                return Ok(lags);
-            }
+            done = row_id == last;
         } else if msg.starts_with("[\"error\"") {
             anyhow::bail!("{base} sent an error: {msg}");
         }
         ws.send(Ws::Text(format!("{{\"ack\":{id}}}").into())).await?;
+        if done {
+            return Ok(lags);
+        }
     }
     anyhow::bail!("{base}: the stream ended before row {last}")
 }

@@ -145,8 +145,7 @@ pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
     replica_latency("view-syncer on Sluice", &zc, &up, &mut next, live_secs).await?;
     client_latency("view-syncer on Sluice", &zc, &up, &mut next, live_secs).await?;
     drop(zc);
-    let _ = sluice.kill();
-    let _ = sluice.wait();
+    drop(sluice);
     drop_slots(&admin).await?;
     // zero-cache's own set-up creates its shard's tables without IF NOT
     // EXISTS: take Sluice's away (the permissions row stays).
@@ -191,10 +190,34 @@ async fn read_initial_sync(addr: &str) -> anyhow::Result<(u64, f64)> {
     anyhow::bail!("Sluice closed the stream before the initial sync's commit")
 }
 
-fn spawn_sluice(dir: &Path, addr: &str, up_url: &str) -> anyhow::Result<Child> {
+fn spawn_sluice(dir: &Path, addr: &str, up_url: &str) -> anyhow::Result<Sluice> {
     // Zero's upstream tables are created and replicated, for the view-syncer.
     let config = serde_json::json!({ "url": up_url, "slot": SLOT, "zero": {"app_id": "zero", "shard_num": 0} });
     spawn_postgres_sluice(dir, addr, &config, &["--table-state"])
+}
+
+/// A `sluice` process the bench started: killed when dropped, so a bench
+/// that fails part-way leaves none behind.
+pub(crate) struct Sluice(Child);
+
+impl std::ops::Deref for Sluice {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Sluice {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Sluice {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// `sluice run` on the built-in Postgres source with `config`, serving on
@@ -204,16 +227,18 @@ pub(crate) fn spawn_postgres_sluice(
     addr: &str,
     config: &serde_json::Value,
     extra: &[&str],
-) -> anyhow::Result<Child> {
+) -> anyhow::Result<Sluice> {
     let log = std::fs::File::create(dir.join("sluice.log"))?;
-    Ok(Command::new(sluice_binary())
-        .args(["run", "--source", "postgres", "--source-config", &config.to_string(), "--listen", addr])
-        .args(extra)
-        .arg("--change-db")
-        .arg(format!("sqlite:{}", dir.join("sluice.db").display()))
-        .stdout(Stdio::from(log.try_clone()?))
-        .stderr(Stdio::from(log))
-        .spawn()?)
+    Ok(Sluice(
+        Command::new(sluice_binary())
+            .args(["run", "--source", "postgres", "--source-config", &config.to_string(), "--listen", addr])
+            .args(extra)
+            .arg("--change-db")
+            .arg(format!("sqlite:{}", dir.join("sluice.db").display()))
+            .stdout(Stdio::from(log.try_clone()?))
+            .stderr(Stdio::from(log))
+            .spawn()?,
+    ))
 }
 
 /// Starts a zero-cache and returns it with the seconds from its start until
