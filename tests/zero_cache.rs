@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::zero_cache::{
-    bootstrap_replica, bootstrap_replica_with_token, fresh_database, psql, psql_value, replica_file, run_zero_replica,
-    start_on_sluice, start_view_syncer, Streamer, ZeroCache, ZeroClient,
+    bootstrap_replica, bootstrap_replica_via, bootstrap_replica_with_token, fresh_database, psql, psql_value,
+    replica_file, run_zero_replica, start_on_sluice, start_view_syncer, Streamer, ZeroCache, ZeroClient,
 };
 use serde_json::{json, Value};
 
@@ -620,4 +620,122 @@ fn a_view_syncer_bootstraps_from_and_follows_a_sluice_with_a_token() {
     sluice.kill().unwrap();
     sluice.wait().unwrap();
     psql(&server, drop_slot);
+}
+
+/// `tools/zero-replica.mjs` has two routes: zero-cache's own custom-source
+/// initial sync, and the bulk route (its default) that parses, checks and
+/// inserts rows its own way around zero-cache's code. Both write a replica
+/// from the same Sluice table state here, over a table of most column types
+/// (values beyond 2^53, JSON, arrays, bytes, nulls, text that looks like the
+/// row's own JSON), a composite key, an empty table and 3,000 plain rows;
+/// the two files hold the same schema and the same rows, value for value
+/// and type for type, in every table, zero-cache's bookkeeping and SQLite's
+/// statistics included. Only the clock readings differ.
+#[test]
+fn the_bulk_route_writes_the_replica_zero_caches_own_initial_sync_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = common::pg_url();
+    let drop_slot = "SELECT pg_drop_replication_slot('zc_bulk') FROM pg_replication_slots WHERE slot_name = 'zc_bulk'";
+    psql(&server, drop_slot);
+    let up = fresh_database("zc_bulk_upstream");
+    psql(
+        &up,
+        r#"CREATE TABLE kinds (id int8 PRIMARY KEY, big int8, small int2, amount numeric, doc jsonb, plain json,
+             raw bytea, at timestamptz, day date, flag bool, tags text[], nums int8[], ratio float8, r4 float4,
+             note varchar(40), txt text, u uuid);
+           INSERT INTO kinds VALUES
+             (1, 9007199254740993, -32768, 12345678901234567890.125, '{"a": [1, 2.5, null, "x"], "n": 12345678901234567890}',
+              '{"k": "v", "new": 1}', '\xdeadbeef', '2026-12-07 10:00:00.123456+00', '2026-12-07', true,
+              '{a,"b c","new"}', '{1,9007199254740993}', -0.000001, 1.5, 'he said "hi", "new":1', 'Grüße 🎉 12345678901234567',
+              'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'),
+             (2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL),
+             (3, -9223372036854775808, 0, 0, 'null', '[]', '\x', '1970-01-01 00:00:00+00', '1970-01-01', false,
+              '{}', '{}', 1e300, 0, '', '}]', '00000000-0000-0000-0000-000000000000');
+           CREATE TABLE pairs (a int4, b text, v text, PRIMARY KEY (a, b));
+           INSERT INTO pairs VALUES (1, 'x', 'one x'), (1, 'y', NULL), (2, 'x', 'two x');
+           CREATE TABLE empty (id int4 PRIMARY KEY, v text);
+           CREATE TABLE items (id int8 PRIMARY KEY, name text NOT NULL, t float8 NOT NULL);
+           INSERT INTO items SELECT g, 'item number ' || g, g / 7.0 FROM generate_series(1, 3000) g"#,
+    );
+    let addr = common::process::free_addr();
+    let config = json!({ "url": up, "slot": "zc_bulk", "zero": {"app_id": "zero", "shard_num": 0} }).to_string();
+    let mut sluice = spawn_sluice(dir.path(), &addr, "postgres", &config, &[]);
+    wait_for_lineage(dir.path(), &addr);
+
+    let (by_zero, bulk) = (dir.path().join("initial-sync.db"), dir.path().join("bulk.db"));
+    let written_by_zero = bootstrap_replica_via(&addr, &by_zero, "initial-sync");
+    let written_in_bulk = bootstrap_replica_via(&addr, &bulk, "bulk");
+    assert_eq!(written_in_bulk, written_by_zero, "the replica versions and watermarks the two routes recorded");
+    let (expected, got) = (replica_dump(&by_zero), replica_dump(&bulk));
+
+    // The comparison is not between two empty files: zero-cache's route
+    // holds every row, with values exact.
+    let rows = |table: &str| expected.get(table).map_or(0, Vec::len);
+    assert_eq!((rows("kinds"), rows("pairs"), rows("empty"), rows("items")), (3, 3, 0, 3000));
+    let first_kind = &expected["kinds"][0];
+    assert_eq!(first_kind[1], rusqlite::types::Value::Integer(9007199254740993), "{first_kind:?}");
+    assert!(rows("zero.permissions") == 1 && rows("_zero.column_metadata") > 20, "{:?}", expected.keys());
+
+    assert_eq!(got.keys().collect::<Vec<_>>(), expected.keys().collect::<Vec<_>>(), "the tables");
+    for (name, rows) in &expected {
+        let bulk_rows = &got[name];
+        if let Some(i) = (0..rows.len().max(bulk_rows.len())).find(|&i| rows.get(i) != bulk_rows.get(i)) {
+            panic!(
+                "table {name}, row {i} of {} (bulk route {}): zero-cache's route wrote {:?}, the bulk route {:?}",
+                rows.len(),
+                bulk_rows.len(),
+                rows.get(i),
+                bulk_rows.get(i)
+            );
+        }
+    }
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    psql(&server, drop_slot);
+}
+
+/// Every table of a replica file, `sqlite_master` included, as its rows in
+/// rowid order with SQLite's own types; the clock readings zero-cache
+/// records (when the sync ran, when the watermark was written) are blanked.
+fn replica_dump(file: &std::path::Path) -> std::collections::BTreeMap<String, Vec<Vec<rusqlite::types::Value>>> {
+    use rusqlite::types::Value as Sql;
+    let db = rusqlite::Connection::open_with_flags(file, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let mut tables: Vec<String> = db
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    tables.push("sqlite_master".into());
+    let mut dump = std::collections::BTreeMap::new();
+    for table in tables {
+        let order = if table == "sqlite_master" { "name" } else { "rowid" };
+        let mut statement = db.prepare(&format!("SELECT * FROM \"{table}\" ORDER BY {order}")).unwrap();
+        let columns: Vec<String> = statement.column_names().into_iter().map(str::to_string).collect();
+        let rows = statement
+            .query_map([], |r| {
+                (0..columns.len())
+                    .map(|i| {
+                        let value: Sql = r.get(i)?;
+                        Ok(match (table.as_str(), columns[i].as_str(), value) {
+                            ("_zero.replicationConfig", "initialSyncContext", Sql::Text(context)) => {
+                                let mut context: Value = serde_json::from_str(&context).unwrap();
+                                context.as_object_mut().unwrap().remove("timestamp");
+                                Sql::Text(context.to_string())
+                            }
+                            ("_zero.replicationState", "writeTimeMs", _) | ("_zero.runtimeEvents", "timestamp", _) => {
+                                Sql::Null
+                            }
+                            (_, _, value) => value,
+                        })
+                    })
+                    .collect::<Result<Vec<Sql>, _>>()
+            })
+            .unwrap()
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+        dump.insert(table, rows);
+    }
+    dump
 }

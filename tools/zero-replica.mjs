@@ -2,17 +2,28 @@
 // view-syncer that starts on an empty disk (one that takes Sluice as its
 // change-streamer, ZERO_CHANGE_STREAMER_URI, and has no litestream backup).
 //
-// It runs zero-cache's own custom-source initial sync against Sluice's
-// /changes/v0/stream (Sluice serves it from its table state, at any time,
-// also after its log was purged), then records Sluice's replica version in
-// the file, so that the view-syncer subscribes to /replication/v6/changes
-// with Sluice's replica version from the watermark the file holds.
+// It reads the initial sync Sluice serves on /changes/v0/stream (from its
+// table state, at any time, also after its log was purged) into a replica
+// made by zero-cache's own code: its migrations, replication state, table
+// and index DDL, column metadata, value conversion and validation. Then it
+// records Sluice's replica version in the file, so that the view-syncer
+// subscribes to /replication/v6/changes with Sluice's replica version from
+// the watermark the file holds.
+//
+// Two routes write the same file (tests/zero_cache.rs compares them row by
+// row, bookkeeping included):
+//   --via bulk (the default): every message but the rows goes through
+//     zero-cache's ChangeProcessor; the rows are converted with zero-cache's
+//     liteRow and inserted with one prepared statement per table, all in the
+//     initial sync's one transaction. About 6x faster (docs/benchmarks.md).
+//   --via initial-sync: zero-cache's custom-source initial sync itself,
+//     which validates, converts and inserts one message at a time.
 //
 // Run it from a directory where @rocicorp/zero (1.9.0) is installed, for
 // example the app's own:
 //
 //   node /path/to/sluice/tools/zero-replica.mjs --sluice HOST:PORT --file replica.db \
-//        [--app zero] [--shard 0] [--token-file PATH]
+//        [--app zero] [--shard 0] [--token-file PATH] [--via bulk|initial-sync]
 //
 // A Sluice started with --token needs it here too: from the file named by
 // --token-file, or the SLUICE_TOKEN environment variable (never on the
@@ -41,6 +52,8 @@ const sluice = (args.get('sluice') ?? fail('--sluice HOST:PORT is required')).re
 const file = args.get('file') ?? fail('--file PATH is required');
 const appID = args.get('app') ?? 'zero';
 const shardNum = Number(args.get('shard') ?? '0');
+const via = args.get('via') ?? 'bulk';
+if (via !== 'bulk' && via !== 'initial-sync') fail(`--via takes bulk or initial-sync, not ${via}`);
 if (existsSync(file)) fail(`${file} exists; a replica is written only into a new file`);
 if (args.has('token')) fail('--token is not taken on the command line: use --token-file PATH or SLUICE_TOKEN');
 let token = process.env.SLUICE_TOKEN ?? '';
@@ -66,6 +79,7 @@ const load = (path) => import(pathToFileURL(join(root, path)).href);
 const { initializeCustomChangeSource } = await load('out/zero-cache/src/services/change-source/custom/change-source.js');
 const { LogContext } = await import(pathToFileURL(zeroRequire.resolve('@rocicorp/logger')).href);
 const Database = (await import(pathToFileURL(zeroRequire.resolve('@rocicorp/zero-sqlite3')).href)).default;
+const { writeReplicaInBulk } = await import('./zero-replica-bulk.mjs');
 
 const headers = token ? { authorization: `Bearer ${token}` } : {};
 const response = await fetch(`http://${sluice}/status`, { headers }).catch((e) =>
@@ -94,7 +108,9 @@ const shard = { appID, shardNum, publications: [] };
 const context = { appID, taskID: 'sluice-zero-replica', timestamp: new Date().toISOString() };
 try {
   const auth = token ? `sluice:${encodeURIComponent(token)}@` : '';
-  await initializeCustomChangeSource(lc, `ws://${auth}${sluice}/changes/v0/stream`, shard, file, context);
+  const upstream = `ws://${auth}${sluice}/changes/v0/stream`;
+  if (via === 'bulk') await writeReplicaInBulk({ load, zeroRequire, lc, upstream, shard, file, context });
+  else await initializeCustomChangeSource(lc, upstream, shard, file, context);
 } catch (e) {
   fail(`the initial sync from ${sluice} failed: ${e?.message ?? e}`);
 }

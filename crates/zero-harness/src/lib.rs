@@ -94,13 +94,23 @@ pub fn bootstrap_replica(sluice: &str, file: &Path) -> Value {
     bootstrap_replica_with_token(sluice, file, None)
 }
 
+/// [`bootstrap_replica`] by the tool's route `via` (`bulk`, its default, or
+/// `initial-sync`, zero-cache's own custom-source initial sync).
+pub fn bootstrap_replica_via(sluice: &str, file: &Path, via: &str) -> Value {
+    checked(run_zero_replica_with(sluice, file, None, &["--via", via]))
+}
+
 /// Runs `tools/zero-replica.mjs` with `token` in `SLUICE_TOKEN` (as an
 /// operator is told to pass it: never on the command line); returns what
 /// the process did.
 pub fn run_zero_replica(sluice: &str, file: &Path, token: Option<&str>) -> std::process::Output {
+    run_zero_replica_with(sluice, file, token, &[])
+}
+
+fn run_zero_replica_with(sluice: &str, file: &Path, token: Option<&str>, extra: &[&str]) -> std::process::Output {
     let tool = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/zero-replica.mjs");
     let mut command = Command::new("node");
-    command.arg(tool).args(["--sluice", sluice, "--file"]).arg(file).current_dir(interop_dir());
+    command.arg(tool).args(["--sluice", sluice, "--file"]).arg(file).args(extra).current_dir(interop_dir());
     command.env_remove("SLUICE_TOKEN");
     if let Some(token) = token {
         command.env("SLUICE_TOKEN", token);
@@ -110,7 +120,11 @@ pub fn run_zero_replica(sluice: &str, file: &Path, token: Option<&str>) -> std::
 
 /// [`bootstrap_replica`] for a Sluice that requires `token`.
 pub fn bootstrap_replica_with_token(sluice: &str, file: &Path, token: Option<&str>) -> Value {
-    let out = run_zero_replica(sluice, file, token);
+    checked(run_zero_replica(sluice, file, token))
+}
+
+/// What a successful `tools/zero-replica.mjs` printed.
+fn checked(out: std::process::Output) -> Value {
     assert!(
         out.status.success(),
         "tools/zero-replica.mjs failed ({}):\n{}",

@@ -16,6 +16,9 @@ pub const DDL_PREFIX: &str = "sluice/ddl";
 
 /// One JSON document describing every published table and its indexes.
 /// Used by the event trigger and, at snapshot time, by the source itself.
+/// An array column's type is named as Zero's own Postgres source names it,
+/// the element's type with one `[]` per dimension (`text[]`): zero-cache
+/// refuses a column spec with an element type class and no `[]` (`_text`).
 pub const SPECS_SQL: &str = r#"
 SELECT jsonb_build_object(
   'tables', COALESCE((
@@ -24,7 +27,9 @@ SELECT jsonb_build_object(
       'identity', c.relreplident,
       'columns', (
         SELECT COALESCE(jsonb_agg(jsonb_build_object(
-          'attnum', a.attnum, 'name', a.attname, 'type_oid', a.atttypid::int8, 'data_type', ty.typname,
+          'attnum', a.attnum, 'name', a.attname, 'type_oid', a.atttypid::int8,
+          'data_type', CASE WHEN el.oid IS NULL THEN ty.typname
+                            ELSE el.typname || repeat('[]', greatest(a.attndims, 1)) END,
           'not_null', a.attnotnull, 'default', pg_get_expr(d.adbin, d.adrelid),
           'max_len', CASE WHEN ty.typname IN ('varchar', 'bpchar') AND a.atttypmod > 4 THEN a.atttypmod - 4 END,
           'type_class', ty.typtype, 'elem_class', el.typtype) ORDER BY a.attnum), '[]'::jsonb)
