@@ -168,7 +168,12 @@ async fn main() -> anyhow::Result<()> {
             catchup(&registry, "Postgres", log.writer, log.reader).await?;
         }
     }
-    let _ = std::fs::remove_dir_all(&tmp);
+    // SLUICE_BENCH_KEEP_TMP=1 keeps the processes' logs and files to read.
+    if std::env::var_os("SLUICE_BENCH_KEEP_TMP").is_some() {
+        println!("(kept {})", tmp.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
     Ok(())
 }
 
