@@ -201,7 +201,7 @@ async fn window(
                 writer.batch_execute(&format!("INSERT INTO items VALUES ({id}, 'live {id}', {t})")).await?;
                 if id >= first_measured {
                     since.get_or_insert(started);
-                    commits.push(started.elapsed().as_micros() as u64);
+                    commits.push((id, started.elapsed().as_micros() as u64));
                     wakes.push(woke.as_micros() as u64);
                 }
             }
@@ -217,6 +217,10 @@ async fn window(
     }
     writers[0].batch_execute(&format!("INSERT INTO items VALUES ({end}, 'end', 0)")).await?;
     *next = end + 1;
+    // Each row's own commit round trip, to tell a tail that waited on the
+    // upstream from one that waited on the streamer.
+    let round_trip: std::collections::HashMap<u64, u64> = commits.iter().copied().collect();
+    let mut commits: Vec<u64> = commits.into_iter().map(|(_, us)| us).collect();
     commits.sort_unstable();
     wakes.sort_unstable();
     // Writers that fell behind their ticks (a saturated machine) commit
@@ -226,9 +230,16 @@ async fn window(
         let lags = tokio::time::timeout(Duration::from_secs(180), task)
             .await
             .map_err(|_| anyhow::anyhow!("{name}'s subscriber did not receive the last row in 3 minutes"))???;
-        let mut lat: Vec<u64> =
-            lags.iter().filter(|(id, _)| (first_measured..=last).contains(id)).map(|(_, l)| *l).collect();
+        let measured: Vec<(u64, u64)> =
+            lags.iter().filter(|(id, _)| (first_measured..=last).contains(id)).copied().collect();
+        let mut lat: Vec<u64> = measured.iter().map(|(_, l)| *l).collect();
         lat.sort_unstable();
+        // The rows above p99: how many of them spent at least half their lag
+        // in their own commit (upstream), and their lags.
+        let p99 = (percentile(&lat, 0.99) * 1000.0) as u64;
+        let mut tail: Vec<(u64, u64)> = measured.iter().filter(|(_, l)| *l > p99).copied().collect();
+        tail.sort_unstable_by_key(|(_, l)| std::cmp::Reverse(*l));
+        let upstream_bound = tail.iter().filter(|(id, l)| round_trip.get(id).is_some_and(|rt| rt * 2 >= *l)).count();
         println!(
             "{name}, {label}: {} s of one-row transactions, {}/s offered ({} s before not counted): {} of {total} rows received; commit to subscriber p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms",
             timing.secs,
@@ -240,11 +251,25 @@ async fn window(
             percentile(&lat, 0.999),
             lat.last().copied().unwrap_or(0) as f64 / 1000.0
         );
+        let slowest: Vec<String> = tail
+            .iter()
+            .take(5)
+            .map(|(id, l)| {
+                format!("{:.1}/{:.1}", *l as f64 / 1000.0, round_trip.get(id).copied().unwrap_or(0) as f64 / 1000.0)
+            })
+            .collect();
+        println!(
+            "  {name}, {label}: of the {} rows above p99, {upstream_bound} spent at least half their lag in their own commit; the slowest, lag/commit ms: {}",
+            tail.len(),
+            slowest.join(" ")
+        );
     }
     println!(
-        "  upstream, {label}: {rate:.0} commits/s reached; a commit's round trip p50 {:.2} ms, p99 {:.2} ms; the writer woke late for its tick by p50 {:.2} ms, p99 {:.2} ms",
+        "  upstream, {label}: {rate:.0} commits/s reached; a commit's round trip p50 {:.2} ms, p99 {:.2} ms, p99.9 {:.2} ms, max {:.2} ms; the writer woke late for its tick by p50 {:.2} ms, p99 {:.2} ms",
         percentile(&commits, 0.5),
         percentile(&commits, 0.99),
+        percentile(&commits, 0.999),
+        commits.last().copied().unwrap_or(0) as f64 / 1000.0,
         percentile(&wakes, 0.5),
         percentile(&wakes, 0.99)
     );
