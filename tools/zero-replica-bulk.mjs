@@ -236,7 +236,7 @@ export async function writeReplicaInBulk({ load, zeroRequire, lc, upstream, shar
       });
       socket.on('error', (e) => finish(e));
       socket.on('close', (code, reason) =>
-        finish(new Error(`change source ${url.origin} closed (${code} ${reason}) before the initial sync's commit`)),
+        finish(new Error(`change source ${url.origin} closed (${[code, reason].filter(String).join(' ')}) before the initial sync's commit`)),
       );
     });
 

@@ -31,9 +31,10 @@
 // as an Authorization header to /status and in the stream URL's user info.
 //
 // It prints {"replicaVersion": ..., "watermark": ...} and exits 0, or names
-// the cause and exits 1. An existing file is refused (remove it first).
+// the cause and exits 1. An existing file is refused (remove it first); a
+// sync that fails removes the file it began.
 import { createRequire } from 'node:module';
-import { existsSync, readFileSync } from 'node:fs';
+import { existsSync, readFileSync, rmSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { pathToFileURL } from 'node:url';
 
@@ -104,6 +105,12 @@ const stderrSink = {
   },
 };
 const lc = new LogContext('info', { component: 'zero-replica' }, stderrSink);
+// The file did not exist before (checked above): a sync that fails takes it
+// away, so that no half-written replica is left for a view-syncer and a
+// second run can start at once.
+const removeReplica = () => {
+  for (const suffix of ['', '-journal', '-wal', '-shm', '-wal2']) rmSync(`${file}${suffix}`, { force: true });
+};
 const shard = { appID, shardNum, publications: [] };
 const context = { appID, taskID: 'sluice-zero-replica', timestamp: new Date().toISOString() };
 try {
@@ -112,11 +119,16 @@ try {
   if (via === 'bulk') await writeReplicaInBulk({ load, zeroRequire, lc, upstream, shard, file, context });
   else await initializeCustomChangeSource(lc, upstream, shard, file, context);
 } catch (e) {
-  fail(`the initial sync from ${sluice} failed: ${e?.message ?? e}`);
+  removeReplica();
+  fail(`the initial sync from ${sluice} failed: ${e?.message ?? e} (${file} removed; run the tool again)`);
 }
 const db = new Database(file);
 const { watermark } = db.prepare('SELECT stateVersion AS watermark FROM "_zero.replicationState"').get();
-if (watermark < replicaVersion) fail(`the initial sync's watermark ${watermark} predates Sluice's replica version ${replicaVersion}`);
+if (watermark < replicaVersion) {
+  db.close();
+  removeReplica();
+  fail(`the initial sync's watermark ${watermark} predates Sluice's replica version ${replicaVersion} (${file} removed)`);
+}
 db.prepare('UPDATE "_zero.replicationConfig" SET replicaVersion = ?').run(replicaVersion);
 db.close();
 process.stdout.write(JSON.stringify({ replicaVersion, watermark }) + '\n', () => process.exit(0));
