@@ -138,12 +138,14 @@ export async function writeReplicaInBulk({ load, zeroRequire, lc, upstream, shar
       // have only their values parsed. JSON's grammar makes this exact: the
       // prefix leaves the parser expecting the value of message[1].new, so
       // a text that is the prefix, one JSON value and `}]` is that row.
+      // The prefix is always that of the last row's table (`last`): it is
+      // set after such a row and cleared before any other message.
       let rowPrefix = null;
       const sameTableRow = (text) => {
-        if (rowPrefix === null || !text.startsWith(rowPrefix.text) || !text.endsWith('}]')) return false;
-        const values = tryParseJSON(text.slice(rowPrefix.text.length, -2));
+        if (rowPrefix === null || !text.startsWith(rowPrefix) || !text.endsWith('}]')) return false;
+        const values = tryParseJSON(text.slice(rowPrefix.length, -2));
         if (values === undefined) return false;
-        insert({ relation: rowPrefix.relation, new: validate(values, rowSchema, 'passthrough') });
+        insert({ relation: last.relation, new: validate(values, rowSchema, 'passthrough') });
         return true;
       };
 
@@ -169,7 +171,7 @@ export async function writeReplicaInBulk({ load, zeroRequire, lc, upstream, shar
           }
           const at = text.indexOf(',"new":') + ',"new":'.length;
           if (!last.spec.backfilling?.length && at > ',"new":'.length && text.endsWith('}]')) {
-            if (tryParseJSON(text.slice(at, -2)) !== undefined) rowPrefix = { text: text.slice(0, at), relation: last.relation };
+            if (tryParseJSON(text.slice(at, -2)) !== undefined) rowPrefix = text.slice(0, at);
           }
           return false;
         }

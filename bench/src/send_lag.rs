@@ -224,7 +224,7 @@ async fn window(
     commits.sort_unstable();
     wakes.sort_unstable();
     // Writers that fell behind their ticks (a saturated machine) commit
-    // slower than 1,000 a second: the rate they reached is reported.
+    // slower than the rate offered: the rate they reached is reported.
     let rate = total as f64 / since.map_or(f64::NAN, |t| t.elapsed().as_secs_f64());
     for (name, _, task) in running {
         let lags = tokio::time::timeout(Duration::from_secs(180), task)
