@@ -27,6 +27,11 @@ import { pathToFileURL } from 'node:url';
 
 const LONG_DIGITS = /\d{16}/;
 
+// How long the change source may say nothing (no handshake, no message)
+// before the sync is given up: Sluice sends the table state without pause,
+// so a silence this long is a dead link or a stuck peer.
+export const SILENCE_MS = 30_000;
+
 const sameColumns = (a, b) => a !== null && a.length === b.length && a.every((column, i) => column === b[i]);
 
 export async function writeReplicaInBulk({ load, zeroRequire, lc, upstream, shard, file, context }) {
@@ -214,10 +219,17 @@ export async function writeReplicaInBulk({ load, zeroRequire, lc, upstream, shar
       url.searchParams.set('appID', shard.appID);
       url.searchParams.set('shardNum', String(shard.shardNum));
       for (const publication of shard.publications) url.searchParams.append('publications', publication);
-      const socket = new WebSocket(url);
+      const socket = new WebSocket(url, { handshakeTimeout: SILENCE_MS });
+      let heard = Date.now();
+      const watchdog = setInterval(() => {
+        if (Date.now() - heard > SILENCE_MS) {
+          finish(new Error(`change source ${url.origin} sent nothing for ${SILENCE_MS / 1000} s before the initial sync's commit`));
+        }
+      }, 1000);
       const finish = (err) => {
         if (done) return;
         done = true;
+        clearInterval(watchdog);
         status.stop();
         if (err) {
           socket.terminate();
@@ -229,6 +241,7 @@ export async function writeReplicaInBulk({ load, zeroRequire, lc, upstream, shar
       };
       socket.on('message', (data, isBinary) => {
         if (done) return;
+        heard = Date.now();
         try {
           if (isBinary) throw new Error('a binary message from the change source; it sends JSON text');
           if (handle(data.toString())) finish();

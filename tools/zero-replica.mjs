@@ -80,11 +80,13 @@ const load = (path) => import(pathToFileURL(join(root, path)).href);
 const { initializeCustomChangeSource } = await load('out/zero-cache/src/services/change-source/custom/change-source.js');
 const { LogContext } = await import(pathToFileURL(zeroRequire.resolve('@rocicorp/logger')).href);
 const Database = (await import(pathToFileURL(zeroRequire.resolve('@rocicorp/zero-sqlite3')).href)).default;
-const { writeReplicaInBulk } = await import('./zero-replica-bulk.mjs');
+const { writeReplicaInBulk, SILENCE_MS } = await import('./zero-replica-bulk.mjs');
 
 const headers = token ? { authorization: `Bearer ${token}` } : {};
-const response = await fetch(`http://${sluice}/status`, { headers }).catch((e) =>
-  fail(`reading http://${sluice}/status: ${e.message}`),
+// A Sluice that accepts the connection and then says nothing must not hold
+// the tool: the same bound as the bulk route's silence on the stream.
+const response = await fetch(`http://${sluice}/status`, { headers, signal: AbortSignal.timeout(SILENCE_MS) }).catch((e) =>
+  fail(`reading http://${sluice}/status: ${e.name === 'TimeoutError' ? `no answer in ${SILENCE_MS / 1000} s` : e.message}`),
 );
 if (response.status === 401) {
   fail(
