@@ -13,8 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::zero_cache::{
-    bootstrap_replica, bootstrap_replica_via, bootstrap_replica_with_token, fresh_database, psql, psql_value,
-    replica_file, run_zero_replica, start_on_sluice, start_view_syncer, Streamer, ZeroCache, ZeroClient,
+    bootstrap_replica, bootstrap_replica_via, bootstrap_replica_with_token, copy_kept_replica, fresh_database, psql,
+    psql_value, replica_file, run_zero_replica, start_on_sluice, start_view_syncer, KeptReplica, Streamer, ZeroCache,
+    ZeroClient,
 };
 use serde_json::{json, Value};
 
@@ -689,6 +690,135 @@ fn the_bulk_route_writes_the_replica_zero_caches_own_initial_sync_writes() {
             );
         }
     }
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    psql(&server, drop_slot);
+}
+
+/// A view-syncer started from a copy of a kept replica. The keeper
+/// (`tools/zero-replica.mjs --keep`, zero-cache's own replicator) follows
+/// Sluice while the upstream writes and Sluice purges every second; the
+/// copy (`--from`) is taken once the snapshot is long purged. Sluice holds
+/// the copy's position although the keeper acks past it and purges go on;
+/// a view-syncer started on the copy, after more writes, serves every row
+/// and follows live; the copy, the kept file and the view-syncer's replica
+/// each equal the upstream at their point.
+#[test]
+fn a_view_syncer_starts_from_a_copy_of_a_kept_replica() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = common::pg_url();
+    let drop_slot = "SELECT pg_drop_replication_slot('zc_kept') FROM pg_replication_slots WHERE slot_name = 'zc_kept'";
+    psql(&server, drop_slot);
+    let up = fresh_database("zc_kept_upstream");
+    psql(&up, "CREATE TABLE items (id int8 PRIMARY KEY, name text); INSERT INTO items SELECT g, 'n' || g FROM generate_series(1, 500) g");
+    let addr = common::process::free_addr();
+    let config = json!({ "url": up, "slot": "zc_kept", "zero": {"app_id": "zero", "shard_num": 0} }).to_string();
+    // Consumer positions are held 30 s rather than 600: the keeper's own
+    // initial sync reserves one, which must be gone before the copy, so
+    // that only the copy's reservation can hold the copy's position.
+    let extra = ["--purge-interval-secs", "1", "--consumer-retention-secs", "30"];
+    let mut sluice = spawn_sluice(dir.path(), &addr, "postgres", &config, &extra);
+    wait_for_lineage(dir.path(), &addr);
+    let allow = json!([["allow", {"type": "and", "conditions": []}]]);
+    psql(
+        &up,
+        &format!(
+            "UPDATE zero.permissions SET permissions = '{}'",
+            json!({"tables": {"items": {"row": {"select": allow}}}})
+        ),
+    );
+    let status = || common::process::status(&addr).unwrap();
+    let replica_version = status()["replicaVersion"].as_str().unwrap().to_string();
+    let upstream_rows = || -> Value {
+        let rows =
+            psql_value(&up, "SELECT json_agg(json_build_object('id', id::text, 'name', name) ORDER BY id) FROM items");
+        serde_json::from_str(&rows).unwrap()
+    };
+    let mut n = 501;
+    let mut write = |what: &str| {
+        psql(&up, &format!("INSERT INTO items VALUES ({n}, '{what} {n}')"));
+        n += 1;
+    };
+
+    // The keeper follows while the upstream writes, until Sluice has
+    // purged its snapshot, the reservation of the keeper's initial sync has
+    // expired, and the kept file holds every write.
+    let keeper = KeptReplica::start(&addr, &dir.path().join("kept.db"));
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let s = status();
+        let purged = s["minWatermark"].as_str().is_some_and(|floor| !floor.starts_with(replica_version.as_str()));
+        let kept = keeper.watermark();
+        let reservations = s["reservations"].as_array().unwrap();
+        let unreserved = reservations.iter().all(|r| r["watermark"].as_str() >= Some(kept.as_str()));
+        if purged && unreserved && s["lastWatermark"].as_str().is_some_and(|last| kept.as_str() >= last) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the keeper never caught up past a purge: {s}\n{}", keeper.log_text());
+        write("before the copy");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    let kept_at = keeper.watermark();
+    let copy = replica_file("zc_kept_vs", dir.path());
+    let copied = copy_kept_replica(&addr, keeper.file(), &copy);
+    assert_eq!(copied["replicaVersion"], replica_version.as_str(), "{copied}");
+    let copy_at = copied["watermark"].as_str().unwrap().to_string();
+    assert!(copy_at >= kept_at, "the copy at {copy_at} predates the kept file's {kept_at}");
+    let in_copy = Value::Array(common::zero_cache::replica_rows(&copy, "items", "id"));
+    assert_eq!(in_copy, upstream_rows(), "the copy's rows");
+
+    // The keeper moves past the copy and acks; Sluice's purges go on, and
+    // still keep the copy's position.
+    let deadline = Instant::now() + WAIT;
+    let passes_then = loop {
+        write("after the copy");
+        let s = status();
+        let keeper_acked = s["subscriberPositions"].as_array().into_iter().flatten().any(|v| {
+            v["taskId"] == "sluice-replica-keeper" && v["acked"].as_str().is_some_and(|a| a > copy_at.as_str())
+        });
+        if keeper_acked {
+            break s["purge"]["passes"].as_u64().unwrap();
+        }
+        assert!(Instant::now() < deadline, "the keeper never acked past the copy: {s}\n{}", keeper.log_text());
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let deadline = Instant::now() + WAIT;
+    while status()["purge"]["passes"].as_u64().unwrap() < passes_then + 2 {
+        assert!(Instant::now() < deadline, "Sluice stopped purging: {}", status());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let s = status();
+    assert!(
+        s["minWatermark"].as_str().is_some_and(|min| min <= copy_at.as_str()),
+        "Sluice purged the copy's position {copy_at}: {s}"
+    );
+
+    let vs = start_view_syncer("zc_kept_vs", Streamer::Uri(addr.clone()), &up, dir.path());
+    let mut client = ZeroClient::start(&vs, "items", &[("id", "number"), ("name", "string")]);
+    let count = (n - 1) as usize;
+    client.wait_rows("the upstream's rows", WAIT, |rows| rows.len() == count);
+    psql(&up, "BEGIN; INSERT INTO items VALUES (100000, 'live'); UPDATE items SET name = 'first' WHERE id = 1; COMMIT");
+    client.wait_rows("the live insert and update", WAIT, |rows| {
+        rows.len() == count + 1 && rows[0]["name"] == "first" && rows.last().is_some_and(|r| r["id"] == 100000)
+    });
+    assert!(!vs.log_text().contains("WatermarkTooOld"), "the view-syncer was told its watermark is too old");
+
+    // The kept file and the view-syncer's replica end equal to the upstream.
+    let upstream = upstream_rows();
+    let deadline = Instant::now() + WAIT;
+    for (what, file) in
+        [("the kept file", keeper.file().to_path_buf()), ("the view-syncer's replica", vs.replica().to_path_buf())]
+    {
+        while Value::Array(common::zero_cache::replica_rows(&file, "items", "id")) != upstream {
+            assert!(Instant::now() < deadline, "{what} never equalled the upstream");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    drop(client);
+    drop(vs);
+    let stopped = keeper.stop();
+    assert!(stopped.success(), "the keeper did not stop cleanly on SIGTERM: {stopped}");
     sluice.kill().unwrap();
     sluice.wait().unwrap();
     psql(&server, drop_slot);

@@ -19,20 +19,29 @@
 //   --via initial-sync: zero-cache's custom-source initial sync itself,
 //     which validates, converts and inserts one message at a time.
 //
+// A third route copies a file instead of writing one (tools/zero-replica-keep.mjs):
+//   --keep: writes the file (or takes up one it kept before) and keeps it
+//     current with Sluice, with zero-cache's own replicator, until SIGTERM;
+//   --from KEPT: writes the new file as a consistent copy of the kept one,
+//     after Sluice reserves its position. Under a second at 1M rows.
+//
 // Run it from a directory where @rocicorp/zero (1.9.0) is installed, for
 // example the app's own:
 //
 //   node /path/to/sluice/tools/zero-replica.mjs --sluice HOST:PORT --file replica.db \
 //        [--app zero] [--shard 0] [--token-file PATH] [--via bulk|initial-sync]
+//   node /path/to/sluice/tools/zero-replica.mjs --sluice HOST:PORT --file kept.db --keep
+//   node /path/to/sluice/tools/zero-replica.mjs --sluice HOST:PORT --file replica.db --from kept.db
 //
 // A Sluice started with --token needs it here too: from the file named by
 // --token-file, or the SLUICE_TOKEN environment variable (never on the
 // command line, where other users of the machine can read it). It is sent
 // as an Authorization header to /status and in the stream URL's user info.
 //
-// It prints {"replicaVersion": ..., "watermark": ...} and exits 0, or names
-// the cause and exits 1. An existing file is refused (remove it first); a
-// sync that fails removes the file it began.
+// It prints {"replicaVersion": ..., "watermark": ...} and exits 0 (with
+// --keep: once the file is synced, and goes on keeping it), or names the
+// cause and exits 1. An existing file is refused (remove it first), except
+// the one --keep kept; a sync or copy that fails removes the file it began.
 import { createRequire } from 'node:module';
 import { existsSync, readFileSync, rmSync } from 'node:fs';
 import { dirname, join } from 'node:path';
@@ -43,9 +52,15 @@ function fail(message) {
   process.exit(1);
 }
 
+const FLAGS = new Set(['keep']);
 const args = new Map();
 for (let i = 2; i < process.argv.length; i += 2) {
   const [flag, value] = [process.argv[i], process.argv[i + 1]];
+  if (FLAGS.has(flag?.slice(2))) {
+    args.set(flag.slice(2), true);
+    i -= 1;
+    continue;
+  }
   if (!flag?.startsWith('--') || value === undefined) fail(`expected --flag value pairs, got ${flag}`);
   args.set(flag.slice(2), value);
 }
@@ -54,8 +69,13 @@ const file = args.get('file') ?? fail('--file PATH is required');
 const appID = args.get('app') ?? 'zero';
 const shardNum = Number(args.get('shard') ?? '0');
 const via = args.get('via') ?? 'bulk';
+const keep = args.has('keep');
+const kept = args.get('from');
 if (via !== 'bulk' && via !== 'initial-sync') fail(`--via takes bulk or initial-sync, not ${via}`);
-if (existsSync(file)) fail(`${file} exists; a replica is written only into a new file`);
+if (keep && kept !== undefined) fail('--keep and --from go to different files: keep one file, copy it to others');
+// A kept file is taken up again after a restart; any other is written new.
+const resuming = keep && existsSync(file);
+if (existsSync(file) && !keep) fail(`${file} exists; a replica is written only into a new file`);
 if (args.has('token')) fail('--token is not taken on the command line: use --token-file PATH or SLUICE_TOKEN');
 let token = process.env.SLUICE_TOKEN ?? '';
 if (args.has('token-file')) {
@@ -81,29 +101,35 @@ const { initializeCustomChangeSource } = await load('out/zero-cache/src/services
 const { LogContext } = await import(pathToFileURL(zeroRequire.resolve('@rocicorp/logger')).href);
 const Database = (await import(pathToFileURL(zeroRequire.resolve('@rocicorp/zero-sqlite3')).href)).default;
 const { writeReplicaInBulk, SILENCE_MS } = await import('./zero-replica-bulk.mjs');
+const { keepReplica, copyKeptReplica, replicaPosition } = await import('./zero-replica-keep.mjs');
 
 const headers = token ? { authorization: `Bearer ${token}` } : {};
 // A Sluice that accepts the connection and then says nothing must not hold
 // the tool: the same bound as the bulk route's silence on the stream.
-const response = await fetch(`http://${sluice}/status`, { headers, signal: AbortSignal.timeout(SILENCE_MS) }).catch((e) =>
-  fail(`reading http://${sluice}/status: ${e.name === 'TimeoutError' ? `no answer in ${SILENCE_MS / 1000} s` : e.message}`),
-);
-if (response.status === 401) {
-  fail(
-    token
-      ? `Sluice at ${sluice} refused the token (401): check --token-file or SLUICE_TOKEN against Sluice's --token`
-      : `Sluice at ${sluice} requires a token (401): pass --token-file PATH or set SLUICE_TOKEN`,
+async function statusOf() {
+  const response = await fetch(`http://${sluice}/status`, { headers, signal: AbortSignal.timeout(SILENCE_MS) }).catch((e) =>
+    fail(`reading http://${sluice}/status: ${e.name === 'TimeoutError' ? `no answer in ${SILENCE_MS / 1000} s` : e.message}`),
   );
+  if (response.status === 401) {
+    fail(
+      token
+        ? `Sluice at ${sluice} refused the token (401): check --token-file or SLUICE_TOKEN against Sluice's --token`
+        : `Sluice at ${sluice} requires a token (401): pass --token-file PATH or set SLUICE_TOKEN`,
+    );
+  }
+  if (!response.ok) fail(`reading http://${sluice}/status: HTTP ${response.status}`);
+  return response.json().catch((e) => fail(`reading http://${sluice}/status: ${e.message}`));
 }
-if (!response.ok) fail(`reading http://${sluice}/status: HTTP ${response.status}`);
-const status = await response.json().catch((e) => fail(`reading http://${sluice}/status: ${e.message}`));
+const status = await statusOf();
 const replicaVersion = status.replicaVersion ?? fail(`Sluice at ${sluice} serves no lineage yet`);
 
 // zero-cache's log lines go to stderr; stdout carries only the result.
 const stderrSink = {
   log(level, context, ...args) {
     const where = Object.entries(context ?? {}).map(([k, v]) => `${k}=${v}`).join(' ');
-    process.stderr.write(`${level} ${where} ${args.map((a) => (typeof a === 'string' ? a : JSON.stringify(a))).join(' ')}\n`);
+    const line = `${level} ${where} ${args.map((a) => (typeof a === 'string' ? a : JSON.stringify(a))).join(' ')}`;
+    // zero-cache names the stream's URL in its lines, the token with it.
+    process.stderr.write(`${token ? line.replaceAll(encodeURIComponent(token), '***').replaceAll(token, '***') : line}\n`);
   },
 };
 const lc = new LogContext('info', { component: 'zero-replica' }, stderrSink);
@@ -114,23 +140,68 @@ const removeReplica = () => {
   for (const suffix of ['', '-journal', '-wal', '-shm', '-wal2']) rmSync(`${file}${suffix}`, { force: true });
 };
 const shard = { appID, shardNum, publications: [] };
-const context = { appID, taskID: 'sluice-zero-replica', timestamp: new Date().toISOString() };
-try {
-  const auth = token ? `sluice:${encodeURIComponent(token)}@` : '';
-  const upstream = `ws://${auth}${sluice}/changes/v0/stream`;
-  if (via === 'bulk') await writeReplicaInBulk({ load, zeroRequire, lc, upstream, shard, file, context });
-  else await initializeCustomChangeSource(lc, upstream, shard, file, context);
-} catch (e) {
-  removeReplica();
-  fail(`the initial sync from ${sluice} failed: ${e?.message ?? e} (${file} removed; run the tool again)`);
+const auth = token ? `sluice:${encodeURIComponent(token)}@` : '';
+const print = (result) => new Promise((resolve) => process.stdout.write(JSON.stringify(result) + '\n', resolve));
+
+if (kept !== undefined) {
+  let copied;
+  try {
+    copied = await copyKeptReplica({ zeroRequire, Database, sluice, token, shard, kept, file, statusOf });
+  } catch (e) {
+    removeReplica();
+    fail(`copying ${kept} failed: ${e?.message ?? e}`);
+  }
+  await print({ ...copied, copiedFrom: kept });
+  process.exit(0);
 }
-const db = new Database(file);
-const { watermark } = db.prepare('SELECT stateVersion AS watermark FROM "_zero.replicationState"').get();
-if (watermark < replicaVersion) {
+
+if (!resuming) {
+  const context = { appID, taskID: 'sluice-zero-replica', timestamp: new Date().toISOString() };
+  try {
+    const upstream = `ws://${auth}${sluice}/changes/v0/stream`;
+    if (via === 'bulk') await writeReplicaInBulk({ load, zeroRequire, lc, upstream, shard, file, context });
+    else await initializeCustomChangeSource(lc, upstream, shard, file, context);
+  } catch (e) {
+    removeReplica();
+    fail(`the initial sync from ${sluice} failed: ${e?.message ?? e} (${file} removed; run the tool again)`);
+  }
+  const db = new Database(file);
+  const { watermark } = db.prepare('SELECT stateVersion AS watermark FROM "_zero.replicationState"').get();
+  if (watermark < replicaVersion) {
+    db.close();
+    removeReplica();
+    fail(`the initial sync's watermark ${watermark} predates Sluice's replica version ${replicaVersion} (${file} removed)`);
+  }
+  db.prepare('UPDATE "_zero.replicationConfig" SET replicaVersion = ?').run(replicaVersion);
   db.close();
-  removeReplica();
-  fail(`the initial sync's watermark ${watermark} predates Sluice's replica version ${replicaVersion} (${file} removed)`);
 }
-db.prepare('UPDATE "_zero.replicationConfig" SET replicaVersion = ?').run(replicaVersion);
-db.close();
-process.stdout.write(JSON.stringify({ replicaVersion, watermark }) + '\n', () => process.exit(0));
+let position;
+try {
+  position = replicaPosition(Database, file);
+} catch (e) {
+  fail(`${file} is not a synced zero-cache replica (${e.message}); give --keep a new file or one it kept`);
+}
+if (position.replicaVersion !== replicaVersion) {
+  fail(
+    `${file} is of replica version ${position.replicaVersion} but Sluice serves ${replicaVersion}: ` +
+      'Sluice started a new lineage; remove the file and run the tool again',
+  );
+}
+await print(position);
+if (!keep) process.exit(0);
+
+// Keep the file current until told to stop.
+const at = () => {
+  try {
+    return replicaPosition(Database, file).watermark;
+  } catch {
+    return 'an unreadable position';
+  }
+};
+try {
+  await keepReplica({ load, zeroRequire, lc, changesURI: `ws://${auth}${sluice}/`, file });
+} catch (e) {
+  fail(`keeping ${file} stopped at ${at()}: ${e?.message ?? e}`);
+}
+lc.info?.(`stopped keeping ${file} at ${at()}`);
+process.exit(0);

@@ -5,7 +5,8 @@
 //!    through Zero's custom change-source protocol;
 //! 2. Postgres -> Sluice -> a zero-cache view-syncer on Sluice's
 //!    `/replication/v6/changes`, its replica written by
-//!    `tools/zero-replica.mjs`;
+//!    `tools/zero-replica.mjs` (and a second one started from a copy of a
+//!    replica the tool keeps current beside Sluice: its start only);
 //! 3. Postgres -> zero-cache's own Postgres change source (single node).
 //!
 //! For each: the start-up (from process start until zero-cache reports
@@ -148,6 +149,39 @@ pub async fn run(server: &str, tmp: &Path) -> anyhow::Result<()> {
     replica_latency("view-syncer on Sluice", &zc, &up, &mut next, live_secs).await?;
     client_latency("view-syncer on Sluice", &zc, &up, &mut next, live_secs).await?;
     drop(zc);
+
+    // 2b. A view-syncer started from a copy of a replica kept current
+    // beside Sluice (`--keep`, then `--from`): the keeper is a standing
+    // part of the deployment, so its own start is reported but not counted;
+    // it follows live writes for a while before the copy.
+    let kept = dir.join("kept.db");
+    let (keeper, keeper_secs) = {
+        let (addr, kept) = (addr.clone(), kept.clone());
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            (zero_harness::KeptReplica::start(&addr, &kept), started.elapsed().as_secs_f64())
+        })
+        .await?
+    };
+    write_live(&up, &mut next, 2).await?;
+    let name = "bench_zc_kept";
+    let copy_secs = {
+        let (addr, kept, file) = (addr.clone(), kept.clone(), zero_harness::replica_file(name, &dir));
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            zero_harness::copy_kept_replica(&addr, &kept, &file);
+            started.elapsed().as_secs_f64()
+        })
+        .await?
+    };
+    let view_syncer = Upstream::ViewSyncer { streamer: Streamer::Uri(addr.clone()), upstream: up_url.clone() };
+    let (zc, secs) = start_zero_cache(name, view_syncer, server, &dir).await?;
+    println!(
+        "view-syncer on Sluice from a kept replica: copied by tools/zero-replica.mjs --from in {copy_secs:.1} s (the keeper's own start, not counted: {keeper_secs:.1} s), then process start to ready {secs:.1} s: {:.1} s in all",
+        copy_secs + secs
+    );
+    drop(zc);
+    drop(keeper);
     drop(sluice);
     drop_slots(&admin).await?;
     // zero-cache's own set-up creates its shard's tables without IF NOT

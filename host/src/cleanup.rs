@@ -104,6 +104,7 @@ pub async fn run(hub: Arc<Hub>, status: Arc<Status>, options: CleanupOptions, mu
                             s.min_watermark = bounds.min_watermark;
                             let report = s.purge.get_or_insert_with(Default::default);
                             report.floor = floor;
+                            report.passes += 1;
                             report.deleted_rows += deleted;
                             report.log_bytes = log_bytes;
                             report.waiting_for_returning_subscribers = waiting;

@@ -158,6 +158,9 @@ pub struct TableProgress {
 #[serde(rename_all = "camelCase")]
 pub struct PurgeReport {
     pub floor: Option<String>,
+    /// Purge passes completed since start (whether they deleted anything):
+    /// a pass counted after a change of acks or reservations has seen it.
+    pub passes: u64,
     /// Rows deleted by every purge since start.
     pub deleted_rows: u64,
     /// `None` where the store cannot tell.

@@ -6,8 +6,8 @@ use std::path::Path;
 // Not every test binary that includes `common` uses all of them.
 #[allow(unused_imports)]
 pub use zero_harness::{
-    bootstrap_replica, bootstrap_replica_via, bootstrap_replica_with_token, psql, psql_value, replica_file,
-    run_zero_replica, Streamer, Upstream, ZeroCache, ZeroClient,
+    bootstrap_replica, bootstrap_replica_via, bootstrap_replica_with_token, copy_kept_replica, psql, psql_value,
+    replica_file, replica_rows, run_zero_replica, KeptReplica, Streamer, Upstream, ZeroCache, ZeroClient,
 };
 
 /// A new, empty database `name` on the test server; its URL.

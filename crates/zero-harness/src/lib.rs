@@ -123,6 +123,74 @@ pub fn bootstrap_replica_with_token(sluice: &str, file: &Path, token: Option<&st
     checked(run_zero_replica(sluice, file, token))
 }
 
+/// Writes `file` as a copy of the replica `kept` that [`KeptReplica`]
+/// keeps (`tools/zero-replica.mjs --from`); returns what it printed
+/// (`{"replicaVersion", "watermark", "copiedFrom"}`).
+pub fn copy_kept_replica(sluice: &str, kept: &Path, file: &Path) -> Value {
+    let kept = kept.to_str().expect("a UTF-8 path");
+    checked(run_zero_replica_with(sluice, file, None, &["--from", kept]))
+}
+
+/// `tools/zero-replica.mjs --keep`: a replica file written from Sluice and
+/// kept current with it until dropped (SIGTERM).
+pub struct KeptReplica {
+    child: Child,
+    file: PathBuf,
+}
+
+impl KeptReplica {
+    /// Starts the keeper on `file` and waits until the file is synced
+    /// (the tool prints its position); panics with its stderr if it exits.
+    pub fn start(sluice: &str, file: &Path) -> KeptReplica {
+        let tool = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/zero-replica.mjs");
+        let stderr = std::fs::File::create(file.with_extension("keeper.log")).expect("a log file");
+        let mut child = Command::new("node")
+            .arg(tool)
+            .args(["--sluice", sluice, "--keep", "--file"])
+            .arg(file)
+            .current_dir(interop_dir())
+            .env_remove("SLUICE_TOKEN")
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .process_group(0)
+            .spawn()
+            .expect("node is installed");
+        let mut line = String::new();
+        let read = BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line);
+        let kept = KeptReplica { child, file: file.to_path_buf() };
+        if !matches!(read, Ok(n) if n > 0) {
+            panic!("the keeper of {} printed nothing:\n{}", file.display(), kept.log_text());
+        }
+        kept
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(self.file.with_extension("keeper.log")).unwrap_or_default()
+    }
+
+    /// The watermark the kept file holds now (zero-cache's replication state).
+    pub fn watermark(&self) -> String {
+        let state = replica_rows(&self.file, "_zero.replicationState", "stateVersion");
+        state.first().and_then(|s| s["stateVersion"].as_str()).expect("the kept replica has a replication state").into()
+    }
+
+    pub fn file(&self) -> &Path {
+        &self.file
+    }
+
+    /// Stops the keeper with SIGTERM; returns how it exited.
+    pub fn stop(mut self) -> std::process::ExitStatus {
+        stop_group(&mut self.child, Duration::from_secs(10));
+        self.child.wait().expect("the keeper was started")
+    }
+}
+
+impl Drop for KeptReplica {
+    fn drop(&mut self) {
+        stop_group(&mut self.child, Duration::from_secs(10));
+    }
+}
+
 /// What a successful `tools/zero-replica.mjs` printed.
 fn checked(out: std::process::Output) -> Value {
     assert!(
@@ -167,6 +235,20 @@ fn free_port_pair() -> u16 {
 fn task_id(name: &str) -> String {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     format!("{name}-{nanos}")
+}
+
+/// The rows of `table` in the replica `file`, ordered by `key`, without
+/// zero-cache's bookkeeping columns.
+pub fn replica_rows(file: &Path, table: &str, key: &str) -> Vec<Value> {
+    let out = Command::new("node")
+        .arg(interop_dir().join("replica-rows.mjs"))
+        .arg(file)
+        .args([table, key])
+        .output()
+        .expect("node is installed");
+    assert!(out.status.success(), "reading the replica: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("replica-rows prints JSON");
+    v["rows"].as_array().cloned().unwrap_or_default()
 }
 
 /// Kills a process group started with `process_group(0)`: SIGTERM, and
@@ -349,15 +431,7 @@ impl ZeroCache {
     /// One table of its replica file, ordered by `key`, as zero-cache
     /// stored it (integers as strings, so they compare exactly).
     pub fn replica_rows(&self, table: &str, key: &str) -> Vec<Value> {
-        let out = Command::new("node")
-            .arg(interop_dir().join("replica-rows.mjs"))
-            .arg(&self.launch.replica)
-            .args([table, key])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "reading the replica: {}", String::from_utf8_lossy(&out.stderr));
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-        v["rows"].as_array().unwrap().clone()
+        replica_rows(&self.launch.replica, table, key)
     }
 }
 
