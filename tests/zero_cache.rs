@@ -804,6 +804,33 @@ fn a_view_syncer_starts_from_a_copy_of_a_kept_replica() {
     });
     assert!(!vs.log_text().contains("WatermarkTooOld"), "the view-syncer was told its watermark is too old");
 
+    // Writes go on while Sluice is SIGKILLed and restarted, then the keeper
+    // is SIGKILLed and started again on its file: it takes it up from the
+    // watermark it holds.
+    let writing = Arc::new(AtomicBool::new(true));
+    let writer = {
+        let (up, writing) = (up.clone(), writing.clone());
+        std::thread::spawn(move || {
+            let mut i = 200_000;
+            while writing.load(Ordering::Relaxed) {
+                psql(&up, &format!("BEGIN; INSERT INTO items VALUES ({i}, 'w'); UPDATE items SET name = 'u{i}' WHERE id = 2; COMMIT"));
+                i += 1;
+            }
+        })
+    };
+    let mut rng = common::process::Rng::from_env("SLUICE_ZERO_CACHE_SEED", "kept replica kill moments");
+    std::thread::sleep(Duration::from_millis(rng.range(300, 1500)));
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    sluice = spawn_sluice(dir.path(), &addr, "postgres", &config, &extra);
+    std::thread::sleep(Duration::from_millis(rng.range(300, 1500)));
+    let kept_file = keeper.file().to_path_buf();
+    keeper.kill();
+    let keeper = KeptReplica::start(&addr, &kept_file);
+    std::thread::sleep(Duration::from_millis(rng.range(300, 1000)));
+    writing.store(false, Ordering::Relaxed);
+    writer.join().unwrap();
+
     // The kept file and the view-syncer's replica end equal to the upstream.
     let upstream = upstream_rows();
     let deadline = Instant::now() + WAIT;

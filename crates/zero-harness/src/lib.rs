@@ -178,6 +178,13 @@ impl KeptReplica {
         &self.file
     }
 
+    /// SIGKILLs the keeper (and its worker thread with it).
+    pub fn kill(mut self) {
+        let group = format!("-{}", self.child.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).stderr(Stdio::null()).status();
+        let _ = self.child.wait();
+    }
+
     /// Stops the keeper with SIGTERM; returns how it exited.
     pub fn stop(mut self) -> std::process::ExitStatus {
         stop_group(&mut self.child, Duration::from_secs(10));
