@@ -273,9 +273,14 @@ pub struct PostgresChangeLog {
     settings: PgSettings,
     schema: String,
     rt: Handle,
-    client: Option<PgClient>,
+    client: Option<Arc<PgClient>>,
     /// The prepared batch COPY, for the current connection.
     insert: Option<tokio_postgres::Statement>,
+    /// The change-log COPY the last `append` sent, not yet answered: the
+    /// server works through it while the storer gathers and encodes the
+    /// next batch. Every other call on the connection waits for it first
+    /// (`settle`), so its failure fails the storage transaction as before.
+    copying: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
     /// The owner read at the start of the open storage transaction.
     owner_at_begin: Option<Option<String>>,
     /// A storage transaction is open on `client`: a lost connection must
@@ -339,6 +344,7 @@ impl PostgresChangeLog {
             rt,
             client: None,
             insert: None,
+            copying: None,
             owner_at_begin: None,
             in_transaction: false,
             state_enabled: false,
@@ -384,9 +390,25 @@ impl PostgresChangeLog {
             let settings = self.settings.clone();
             self.insert = None;
             self.client = None;
-            self.client = Some(self.rt.block_on(settings.connect_writer())?);
+            self.client = Some(Arc::new(self.rt.block_on(settings.connect_writer())?));
         }
         Ok(self.client.as_deref().expect("connected above"))
+    }
+
+    /// Waits for the COPY in flight, if any (bounded as every storage call
+    /// is, inside it); a connection that stopped answering is dropped as in
+    /// [`Self::run`].
+    fn settle(&mut self) -> LogResult<()> {
+        let Some(copying) = self.copying.take() else { return Ok(()) };
+        let result = match self.rt.block_on(copying) {
+            Ok(result) => result,
+            Err(e) => Err(anyhow::anyhow!("the change-log COPY's task ended: {e}")),
+        };
+        if result.as_ref().is_err_and(|e| e.downcast_ref::<NoAnswer>().is_some()) {
+            self.client = None;
+            self.insert = None;
+        }
+        result.map_err(LogError::from)
     }
 
     /// Applies the rows to the table state (see the SQLite log's
@@ -437,6 +459,7 @@ impl PostgresChangeLog {
     /// transaction the next call fails (the storer rolls back and the loop
     /// retries from what is durable), and the next `begin` reconnects.
     fn run<T>(&mut self, f: impl AsyncFnOnce(&Client) -> anyhow::Result<T>) -> LogResult<T> {
+        self.settle()?;
         let rt = self.rt.clone();
         let limit = self.settings.call_timeout;
         let client = self.client()?;
@@ -704,27 +727,41 @@ impl ChangeLog for PostgresChangeLog {
         let s = self.schema.clone();
         let first = rows[0].watermark.to_string();
         let n = rows.len();
-        let cached = self.insert.clone();
-        let stmt = self.run(async |c| {
-            let stmt = match cached {
-                Some(stmt) => stmt,
-                None => c
-                    .prepare(&format!(
-                        r#"COPY {s}."changeLog" (watermark, pos, change, precommit) FROM STDIN (FORMAT binary)"#
-                    ))
-                    .await
-                    .map_err(|e| classify(e, "preparing the change-log COPY"))?,
-            };
-            let what = || format!("copying {n} change-log rows at watermark {first}");
+        let what = move || format!("copying {n} change-log rows at watermark {first}");
+        let stmt = match self.insert.clone() {
+            Some(stmt) => {
+                // The previous COPY must be through before this one is sent.
+                self.settle()?;
+                stmt
+            }
+            None => self.run(async |c| {
+                c.prepare(&format!(
+                    r#"COPY {s}."changeLog" (watermark, pos, change, precommit) FROM STDIN (FORMAT binary)"#
+                ))
+                .await
+                .map_err(|e| classify(e, "preparing the change-log COPY"))
+            })?,
+        };
+        self.insert = Some(stmt.clone());
+        let copy = async move |c: &Client| -> anyhow::Result<()> {
             let sink = c.copy_in::<_, bytes::Bytes>(&stmt).await.map_err(|e| classify(e, &what()))?;
             futures::pin_mut!(sink);
             futures::SinkExt::send(&mut sink, data).await.map_err(|e| classify(e, &what()))?;
             let copied = sink.finish().await.map_err(|e| classify(e, &what()))?;
             anyhow::ensure!(copied == n as u64, "{}: the server took {copied} rows", what());
-            Ok(stmt)
-        })?;
-        self.insert = Some(stmt);
-        Ok(self.keep_state(rows)?)
+            Ok(())
+        };
+        if self.keep_state {
+            // The table state's statements follow the COPY at once.
+            self.run(copy)?;
+            return Ok(self.keep_state(rows)?);
+        }
+        // Sent on the runtime: the storer returns to gather the next batch.
+        let client = Arc::clone(self.client.as_ref().expect("connected by settle or run above"));
+        let limit = self.settings.call_timeout;
+        self.copying =
+            Some(self.rt.spawn(async move { within(limit, "waiting for a storage call", copy(&client)).await }));
+        Ok(())
     }
 
     fn commit(&mut self, last_watermark: &str) -> LogResult<()> {
@@ -760,6 +797,9 @@ impl ChangeLog for PostgresChangeLog {
     }
 
     fn rollback(&mut self) -> LogResult<()> {
+        // A COPY still in flight belongs to the transaction rolled back:
+        // its outcome no longer matters, only that it is through.
+        let _ = self.settle();
         self.relations.clear();
         self.owner_at_begin = None;
         self.in_transaction = false;
