@@ -28,13 +28,9 @@
 // its connection by --consumer-retention-secs (600 s by default): start the
 // view-syncer within that time.
 
-import { existsSync, rmSync } from 'node:fs';
+import { existsSync } from 'node:fs';
 import { pathToFileURL } from 'node:url';
 import { SILENCE_MS } from './zero-replica-bulk.mjs';
-
-const removeFile = (file) => {
-  for (const suffix of ['', '-journal', '-wal', '-shm', '-wal2']) rmSync(`${file}${suffix}`, { force: true });
-};
 
 // The watermark and replica version a synced replica file holds.
 export function replicaPosition(Database, file) {
@@ -164,7 +160,7 @@ export async function copyKeptReplica({ zeroRequire, Database, sluice, token, sh
     try {
       source.prepare('VACUUM INTO ?').run(file);
     } catch (e) {
-      removeFile(file);
+      // The caller removes what the copy began.
       throw new Error(`copying ${kept}: ${e.message}`);
     } finally {
       source.close();
