@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use common::zero_cache::{
     bootstrap_replica, bootstrap_replica_via, bootstrap_replica_with_token, copy_kept_replica, fresh_database, psql,
-    psql_value, replica_file, run_zero_replica, start_on_sluice, start_view_syncer, KeptReplica, Streamer, ZeroCache,
-    ZeroClient,
+    psql_value, replica_file, run_copy_kept_replica, run_zero_replica, start_on_sluice, start_view_syncer, KeptReplica,
+    Streamer, ZeroCache, ZeroClient,
 };
 use serde_json::{json, Value};
 
@@ -750,7 +750,9 @@ fn a_view_syncer_starts_from_a_copy_of_a_kept_replica() {
         let purged = s["minWatermark"].as_str().is_some_and(|floor| !floor.starts_with(replica_version.as_str()));
         let kept = keeper.watermark();
         let reservations = s["reservations"].as_array().unwrap();
-        let unreserved = reservations.iter().all(|r| r["watermark"].as_str() >= Some(kept.as_str()));
+        // None at or below the kept position: the copy's own will be the
+        // only one that can hold it.
+        let unreserved = reservations.iter().all(|r| r["watermark"].as_str() > Some(kept.as_str()));
         if purged && unreserved && s["lastWatermark"].as_str().is_some_and(|last| kept.as_str() >= last) {
             break;
         }
@@ -844,6 +846,77 @@ fn a_view_syncer_starts_from_a_copy_of_a_kept_replica() {
     }
     drop(client);
     drop(vs);
+    let stopped = keeper.stop();
+    assert!(stopped.success(), "the keeper did not stop cleanly on SIGTERM: {stopped}");
+    sluice.kill().unwrap();
+    sluice.wait().unwrap();
+    psql(&server, drop_slot);
+}
+
+/// A keeper that was away while Sluice purged past its file: a copy of
+/// the stale file is refused with one line saying why, and the keeper,
+/// started again, rebuilds the file from the table state and follows on.
+#[test]
+fn a_keeper_back_after_its_position_was_purged_rebuilds_its_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = common::pg_url();
+    let drop_slot = "SELECT pg_drop_replication_slot('zc_away') FROM pg_replication_slots WHERE slot_name = 'zc_away'";
+    psql(&server, drop_slot);
+    let up = fresh_database("zc_away_upstream");
+    psql(&up, "CREATE TABLE items (id int8 PRIMARY KEY, name text); INSERT INTO items SELECT g, 'n' || g FROM generate_series(1, 100) g");
+    let addr = common::process::free_addr();
+    let config = json!({ "url": up, "slot": "zc_away", "zero": {"app_id": "zero", "shard_num": 0} }).to_string();
+    // Positions are held one second after their holders leave.
+    let extra = ["--purge-interval-secs", "1", "--consumer-retention-secs", "1", "--subscriber-retention-secs", "1"];
+    let mut sluice = spawn_sluice(dir.path(), &addr, "postgres", &config, &extra);
+    wait_for_lineage(dir.path(), &addr);
+    let status = || common::process::status(&addr).unwrap();
+    let mut n = 101;
+    let mut write = || {
+        psql(&up, &format!("INSERT INTO items VALUES ({n}, 'n{n}')"));
+        n += 1;
+    };
+    let kept_file = dir.path().join("kept.db");
+    let keeper = KeptReplica::start(&addr, &kept_file);
+    write();
+    let deadline = Instant::now() + WAIT;
+    while status()["lastWatermark"].as_str().is_none_or(|last| keeper.watermark().as_str() < last) {
+        assert!(Instant::now() < deadline, "the keeper never caught up: {}\n{}", status(), keeper.log_text());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let away_at = keeper.watermark();
+    keeper.kill();
+
+    // Away: writes go on and Sluice purges past the kept file's position.
+    let deadline = Instant::now() + WAIT;
+    while status()["minWatermark"].as_str().is_none_or(|min| min <= away_at.as_str()) {
+        assert!(Instant::now() < deadline, "Sluice never purged past {away_at}: {}", status());
+        write();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let copy = dir.path().join("copy.db");
+    let refused = run_copy_kept_replica(&addr, &kept_file, &copy);
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && said.contains("no longer holds"), "the copy of a stale file: {said}");
+    assert!(!copy.exists(), "the refused copy left its file");
+
+    // Back: the keeper rebuilds the file and follows on.
+    let keeper = KeptReplica::start(&addr, &kept_file);
+    write();
+    let upstream = || -> Value {
+        let rows =
+            psql_value(&up, "SELECT json_agg(json_build_object('id', id::text, 'name', name) ORDER BY id) FROM items");
+        serde_json::from_str(&rows).unwrap()
+    };
+    let deadline = Instant::now() + WAIT;
+    while Value::Array(common::zero_cache::replica_rows(&kept_file, "items", "id")) != upstream() {
+        assert!(Instant::now() < deadline, "the kept file never equalled the upstream:\n{}", keeper.log_text());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(keeper.log_text().contains("rebuilding it from Sluice's table state"), "{}", keeper.log_text());
+    assert!(keeper.watermark() > away_at);
+    let copied = copy_kept_replica(&addr, &kept_file, &copy);
+    assert!(copied["watermark"].as_str().unwrap() > away_at.as_str(), "{copied}");
     let stopped = keeper.stop();
     assert!(stopped.success(), "the keeper did not stop cleanly on SIGTERM: {stopped}");
     sluice.kill().unwrap();

@@ -44,10 +44,11 @@ export function replicaPosition(Database, file) {
   }
 }
 
-// Keeps `file` current with Sluice until SIGTERM or SIGINT; resolves when
-// stopped by one, rejects when zero-cache's replicator stops on its own
-// (for example Sluice refused the file's replica version or watermark).
-export async function keepReplica({ load, zeroRequire, lc, changesURI, file }) {
+// Keeps `file` current with Sluice until `signal` aborts; resolves then.
+// Rejects when zero-cache's replicator stops on its own; with `rebuild` set
+// on the error when the cause is one a new file cures (Sluice no longer has
+// the file's position, or serves another replica version).
+export async function keepReplica({ load, zeroRequire, lc, changesURI, file, signal }) {
   const [
     { setupReplica },
     { ThreadWriteWorkerClient },
@@ -98,19 +99,19 @@ export async function keepReplica({ load, zeroRequire, lc, changesURI, file }) {
     reason ??= err ?? null;
     stopSyncer(log, err);
   };
-  let stopping = false;
-  const stop = () => {
-    stopping = true;
-    syncer.stop(lc);
-  };
-  process.once('SIGTERM', stop);
-  process.once('SIGINT', stop);
+  const stop = () => syncer.stop(lc);
+  signal.addEventListener('abort', stop, { once: true });
   try {
     await syncer.run();
   } finally {
+    signal.removeEventListener('abort', stop);
     await worker.stop().catch(() => {});
   }
-  if (!stopping) throw new Error(`zero-cache's replicator stopped: ${reason?.message ?? reason ?? 'no reason given'}`);
+  if (signal.aborted) return;
+  const why = String(reason?.message ?? reason ?? 'no reason given');
+  const error = new Error(`zero-cache's replicator stopped: ${why}`);
+  error.rebuild = /^(WatermarkTooOld|WrongReplicaVersion):/.test(why);
+  throw error;
 }
 
 // Writes `file` as a copy of the kept replica `kept`, once Sluice holds its
@@ -168,5 +169,15 @@ export async function copyKeptReplica({ zeroRequire, Database, sluice, token, sh
   } finally {
     socket.terminate();
   }
-  return replicaPosition(Database, file);
+  const copied = replicaPosition(Database, file);
+  // The argument above holds while the keeper follows; a kept file whose
+  // keeper was away may be behind what Sluice still holds.
+  const { minWatermark } = await statusOf();
+  if (minWatermark && minWatermark > copied.watermark) {
+    throw new Error(
+      `${kept} is at ${copied.watermark}, which Sluice's log no longer holds (it starts at ${minWatermark}): ` +
+        'is its keeper running? (a keeper that comes back rebuilds the file)',
+    );
+  }
+  return copied;
 }

@@ -43,7 +43,7 @@
 // cause and exits 1. An existing file is refused (remove it first), except
 // the one --keep kept; a sync or copy that fails removes the file it began.
 import { createRequire } from 'node:module';
-import { existsSync, readFileSync, rmSync } from 'node:fs';
+import { existsSync, readFileSync, renameSync, rmSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { pathToFileURL } from 'node:url';
 
@@ -133,11 +133,9 @@ const stderrSink = {
   },
 };
 const lc = new LogContext('info', { component: 'zero-replica' }, stderrSink);
-// The file did not exist before (checked above): a sync that fails takes it
-// away, so that no half-written replica is left for a view-syncer and a
-// second run can start at once.
-const removeReplica = () => {
-  for (const suffix of ['', '-journal', '-wal', '-shm', '-wal2']) rmSync(`${file}${suffix}`, { force: true });
+// A replica file with its SQLite companions.
+const removeFiles = (path) => {
+  for (const suffix of ['', '-journal', '-wal', '-shm', '-wal2']) rmSync(`${path}${suffix}`, { force: true });
 };
 const shard = { appID, shardNum, publications: [] };
 const auth = token ? `sluice:${encodeURIComponent(token)}@` : '';
@@ -148,49 +146,39 @@ if (kept !== undefined) {
   try {
     copied = await copyKeptReplica({ zeroRequire, Database, sluice, token, shard, kept, file, statusOf });
   } catch (e) {
-    removeReplica();
+    removeFiles(file);
     fail(`copying ${kept} failed: ${e?.message ?? e}`);
   }
   await print({ ...copied, copiedFrom: kept });
   process.exit(0);
 }
 
-if (!resuming) {
+// Writes a synced replica into the new file `target`, at the replica
+// version Sluice serves now. A sync that fails takes the file away, so that
+// no half-written replica is left for a view-syncer and a second run can
+// start at once.
+async function writeReplica(target) {
+  const serving = (await statusOf()).replicaVersion ?? fail(`Sluice at ${sluice} serves no lineage yet`);
   const context = { appID, taskID: 'sluice-zero-replica', timestamp: new Date().toISOString() };
   try {
     const upstream = `ws://${auth}${sluice}/changes/v0/stream`;
-    if (via === 'bulk') await writeReplicaInBulk({ load, zeroRequire, lc, upstream, shard, file, context });
-    else await initializeCustomChangeSource(lc, upstream, shard, file, context);
+    if (via === 'bulk') await writeReplicaInBulk({ load, zeroRequire, lc, upstream, shard, file: target, context });
+    else await initializeCustomChangeSource(lc, upstream, shard, target, context);
   } catch (e) {
-    removeReplica();
-    fail(`the initial sync from ${sluice} failed: ${e?.message ?? e} (${file} removed; run the tool again)`);
+    removeFiles(target);
+    fail(`the initial sync from ${sluice} failed: ${e?.message ?? e} (${target} removed; run the tool again)`);
   }
-  const db = new Database(file);
+  const db = new Database(target);
   const { watermark } = db.prepare('SELECT stateVersion AS watermark FROM "_zero.replicationState"').get();
-  if (watermark < replicaVersion) {
+  if (watermark < serving) {
     db.close();
-    removeReplica();
-    fail(`the initial sync's watermark ${watermark} predates Sluice's replica version ${replicaVersion} (${file} removed)`);
+    removeFiles(target);
+    fail(`the initial sync's watermark ${watermark} predates Sluice's replica version ${serving} (${target} removed)`);
   }
-  db.prepare('UPDATE "_zero.replicationConfig" SET replicaVersion = ?').run(replicaVersion);
+  db.prepare('UPDATE "_zero.replicationConfig" SET replicaVersion = ?').run(serving);
   db.close();
 }
-let position;
-try {
-  position = replicaPosition(Database, file);
-} catch (e) {
-  fail(`${file} is not a synced zero-cache replica (${e.message}); give --keep a new file or one it kept`);
-}
-if (position.replicaVersion !== replicaVersion) {
-  fail(
-    `${file} is of replica version ${position.replicaVersion} but Sluice serves ${replicaVersion}: ` +
-      'Sluice started a new lineage; remove the file and run the tool again',
-  );
-}
-await print(position);
-if (!keep) process.exit(0);
 
-// Keep the file current until told to stop.
 const at = () => {
   try {
     return replicaPosition(Database, file).watermark;
@@ -198,10 +186,44 @@ const at = () => {
     return 'an unreadable position';
   }
 };
+// A kept file Sluice can no longer serve (its position purged while the
+// keeper was away, or a new lineage) is derived state: it is written again
+// beside the old one and swapped in.
+async function rebuild(why) {
+  lc.warn?.(`${file}: ${why}; rebuilding it from Sluice's table state`);
+  const next = `${file}.rebuilding`;
+  removeFiles(next);
+  await writeReplica(next);
+  removeFiles(file);
+  renameSync(next, file);
+  lc.info?.(`rebuilt ${file} at ${at()}`);
+}
+
+if (!resuming) await writeReplica(file);
+let position;
 try {
-  await keepReplica({ load, zeroRequire, lc, changesURI: `ws://${auth}${sluice}/`, file });
+  position = replicaPosition(Database, file);
 } catch (e) {
-  fail(`keeping ${file} stopped at ${at()}: ${e?.message ?? e}`);
+  fail(`${file} is not a synced zero-cache replica (${e.message}); give --keep a new file or one it kept`);
+}
+if (position.replicaVersion !== replicaVersion) {
+  // Only a file --keep kept can be here: any other is new.
+  await rebuild(`its replica version ${position.replicaVersion} is not Sluice's ${replicaVersion} (a new lineage)`);
+  position = replicaPosition(Database, file);
+}
+await print(position);
+if (!keep) process.exit(0);
+
+// Keep the file current until told to stop.
+const stopper = new AbortController();
+for (const signal of ['SIGTERM', 'SIGINT']) process.once(signal, () => stopper.abort());
+while (!stopper.signal.aborted) {
+  try {
+    await keepReplica({ load, zeroRequire, lc, changesURI: `ws://${auth}${sluice}/`, file, signal: stopper.signal });
+  } catch (e) {
+    if (!e?.rebuild) fail(`keeping ${file} stopped at ${at()}: ${e?.message ?? e}`);
+    await rebuild(e.message);
+  }
 }
 lc.info?.(`stopped keeping ${file} at ${at()}`);
 process.exit(0);

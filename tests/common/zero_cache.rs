@@ -7,7 +7,8 @@ use std::path::Path;
 #[allow(unused_imports)]
 pub use zero_harness::{
     bootstrap_replica, bootstrap_replica_via, bootstrap_replica_with_token, copy_kept_replica, psql, psql_value,
-    replica_file, replica_rows, run_zero_replica, KeptReplica, Streamer, Upstream, ZeroCache, ZeroClient,
+    replica_file, replica_rows, run_copy_kept_replica, run_zero_replica, KeptReplica, Streamer, Upstream, ZeroCache,
+    ZeroClient,
 };
 
 /// A new, empty database `name` on the test server; its URL.

@@ -127,8 +127,13 @@ pub fn bootstrap_replica_with_token(sluice: &str, file: &Path, token: Option<&st
 /// keeps (`tools/zero-replica.mjs --from`); returns what it printed
 /// (`{"replicaVersion", "watermark", "copiedFrom"}`).
 pub fn copy_kept_replica(sluice: &str, kept: &Path, file: &Path) -> Value {
+    checked(run_copy_kept_replica(sluice, kept, file))
+}
+
+/// Runs `tools/zero-replica.mjs --from kept`; returns what the process did.
+pub fn run_copy_kept_replica(sluice: &str, kept: &Path, file: &Path) -> std::process::Output {
     let kept = kept.to_str().expect("a UTF-8 path");
-    checked(run_zero_replica_with(sluice, file, None, &["--from", kept]))
+    run_zero_replica_with(sluice, file, None, &["--from", kept])
 }
 
 /// `tools/zero-replica.mjs --keep`: a replica file written from Sluice and
