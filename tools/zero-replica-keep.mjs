@@ -11,7 +11,9 @@
 //     transaction to the file with zero-cache's own replicator
 //     (IncrementalSyncer, its write worker and ChangeProcessor in "backup"
 //     mode, which keeps no change log: a view-syncer starts with an empty
-//     one, as after a restore). It runs until SIGTERM or SIGINT.
+//     one, as after a restore). It runs until SIGTERM or SIGINT. A file
+//     Sluice can no longer serve (its position purged while the keeper was
+//     away, or a new lineage) is written again and swapped in.
 //
 //   --from KEPT: write the new file as a consistent copy of the kept one
 //     (SQLite's VACUUM INTO, zero-cache's own way of copying a replica),
