@@ -480,9 +480,7 @@ fn view_syncers_bootstrapped_after_a_purge_serve_clients() {
     writer.join().unwrap();
 
     // Each view-syncer's replica equals the upstream, row by row.
-    let upstream =
-        psql_value(&up, "SELECT json_agg(json_build_object('id', id::text, 'name', name) ORDER BY id) FROM items");
-    let upstream: Value = serde_json::from_str(&upstream).unwrap();
+    let upstream = upstream_items(&up);
     for vs in &view_syncers {
         let deadline = Instant::now() + WAIT;
         loop {
@@ -729,11 +727,6 @@ fn a_view_syncer_starts_from_a_copy_of_a_kept_replica() {
     );
     let status = || common::process::status(&addr).unwrap();
     let replica_version = status()["replicaVersion"].as_str().unwrap().to_string();
-    let upstream_rows = || -> Value {
-        let rows =
-            psql_value(&up, "SELECT json_agg(json_build_object('id', id::text, 'name', name) ORDER BY id) FROM items");
-        serde_json::from_str(&rows).unwrap()
-    };
     let mut n = 501;
     let mut write = |what: &str| {
         psql(&up, &format!("INSERT INTO items VALUES ({n}, '{what} {n}')"));
@@ -768,7 +761,7 @@ fn a_view_syncer_starts_from_a_copy_of_a_kept_replica() {
     let copy_at = copied["watermark"].as_str().unwrap().to_string();
     assert!(copy_at >= kept_at, "the copy at {copy_at} predates the kept file's {kept_at}");
     let in_copy = Value::Array(common::zero_cache::replica_rows(&copy, "items", "id"));
-    assert_eq!(in_copy, upstream_rows(), "the copy's rows");
+    assert_eq!(in_copy, upstream_items(&up), "the copy's rows");
 
     // The keeper moves past the copy and acks; Sluice's purges go on, and
     // still keep the copy's position.
@@ -834,7 +827,7 @@ fn a_view_syncer_starts_from_a_copy_of_a_kept_replica() {
     writer.join().unwrap();
 
     // The kept file and the view-syncer's replica end equal to the upstream.
-    let upstream = upstream_rows();
+    let upstream = upstream_items(&up);
     let deadline = Instant::now() + WAIT;
     for (what, file) in
         [("the kept file", keeper.file().to_path_buf()), ("the view-syncer's replica", vs.replica().to_path_buf())]
@@ -903,13 +896,8 @@ fn a_keeper_back_after_its_position_was_purged_rebuilds_its_file() {
     // Back: the keeper rebuilds the file and follows on.
     let keeper = KeptReplica::start(&addr, &kept_file);
     write();
-    let upstream = || -> Value {
-        let rows =
-            psql_value(&up, "SELECT json_agg(json_build_object('id', id::text, 'name', name) ORDER BY id) FROM items");
-        serde_json::from_str(&rows).unwrap()
-    };
     let deadline = Instant::now() + WAIT;
-    while Value::Array(common::zero_cache::replica_rows(&kept_file, "items", "id")) != upstream() {
+    while Value::Array(common::zero_cache::replica_rows(&kept_file, "items", "id")) != upstream_items(&up) {
         assert!(Instant::now() < deadline, "the kept file never equalled the upstream:\n{}", keeper.log_text());
         std::thread::sleep(Duration::from_millis(200));
     }
@@ -922,6 +910,14 @@ fn a_keeper_back_after_its_position_was_purged_rebuilds_its_file() {
     sluice.kill().unwrap();
     sluice.wait().unwrap();
     psql(&server, drop_slot);
+}
+
+/// The upstream's `items (id int8, name text)` as replica rows show them
+/// (ids as strings, in id order).
+fn upstream_items(up: &str) -> Value {
+    let rows =
+        psql_value(up, "SELECT json_agg(json_build_object('id', id::text, 'name', name) ORDER BY id) FROM items");
+    serde_json::from_str(&rows).unwrap()
 }
 
 /// Every table of a replica file, `sqlite_master` included, as its rows in

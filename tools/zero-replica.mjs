@@ -168,13 +168,12 @@ async function writeReplica(target) {
     removeFiles(target);
     fail(`the initial sync from ${sluice} failed: ${e?.message ?? e} (${target} removed; run the tool again)`);
   }
-  const db = new Database(target);
-  const { watermark } = db.prepare('SELECT stateVersion AS watermark FROM "_zero.replicationState"').get();
+  const { watermark } = replicaPosition(Database, target);
   if (watermark < serving) {
-    db.close();
     removeFiles(target);
     fail(`the initial sync's watermark ${watermark} predates Sluice's replica version ${serving} (${target} removed)`);
   }
+  const db = new Database(target);
   db.prepare('UPDATE "_zero.replicationConfig" SET replicaVersion = ?').run(serving);
   db.close();
 }

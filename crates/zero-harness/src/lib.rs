@@ -185,8 +185,7 @@ impl KeptReplica {
 
     /// SIGKILLs the keeper (and its worker thread with it).
     pub fn kill(mut self) {
-        let group = format!("-{}", self.child.id());
-        let _ = Command::new("kill").args(["-KILL", "--", &group]).stderr(Stdio::null()).status();
+        signal_group(&self.child, "-KILL");
         let _ = self.child.wait();
     }
 
@@ -266,8 +265,7 @@ pub fn replica_rows(file: &Path, table: &str, key: &str) -> Vec<Value> {
 /// Kills a process group started with `process_group(0)`: SIGTERM, and
 /// SIGKILL if it has not exited within `grace`.
 fn stop_group(child: &mut Child, grace: Duration) {
-    let group = format!("-{}", child.id());
-    let _ = Command::new("kill").args(["-TERM", "--", &group]).stderr(Stdio::null()).status();
+    signal_group(child, "-TERM");
     let deadline = Instant::now() + grace;
     while Instant::now() < deadline {
         if let Ok(Some(_)) = child.try_wait() {
@@ -276,8 +274,14 @@ fn stop_group(child: &mut Child, grace: Duration) {
         std::thread::sleep(Duration::from_millis(50));
     }
     // Also the workers zero-cache forked, should one outlive its parent.
-    let _ = Command::new("kill").args(["-KILL", "--", &group]).stderr(Stdio::null()).status();
+    signal_group(child, "-KILL");
     let _ = child.wait();
+}
+
+/// Sends `signal` (`-TERM`, `-KILL`) to the process group `child` leads.
+fn signal_group(child: &Child, signal: &str) {
+    let group = format!("-{}", child.id());
+    let _ = Command::new("kill").args([signal, "--", &group]).stderr(Stdio::null()).status();
 }
 
 /// A running zero-cache.

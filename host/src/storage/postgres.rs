@@ -730,8 +730,10 @@ impl ChangeLog for PostgresChangeLog {
         let what = move || format!("copying {n} change-log rows at watermark {first}");
         let stmt = match self.insert.clone() {
             Some(stmt) => {
-                // The previous COPY must be through before this one is sent.
+                // The previous COPY must be through before this one is sent,
+                // on a connection that is still there (as `run` checks).
                 self.settle()?;
+                self.client()?;
                 stmt
             }
             None => self.run(async |c| {
@@ -757,7 +759,7 @@ impl ChangeLog for PostgresChangeLog {
             return Ok(self.keep_state(rows)?);
         }
         // Sent on the runtime: the storer returns to gather the next batch.
-        let client = Arc::clone(self.client.as_ref().expect("connected by settle or run above"));
+        let client = Arc::clone(self.client.as_ref().expect("connected by client or run above"));
         let limit = self.settings.call_timeout;
         self.copying =
             Some(self.rt.spawn(async move { within(limit, "waiting for a storage call", copy(&client)).await }));
